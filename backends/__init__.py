@@ -1,0 +1,1 @@
+"""Compute backends: `torch` (the reference, CPU or GPU) and, later, `triton`."""

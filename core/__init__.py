@@ -1,0 +1,1 @@
+"""The engine core: request lifecycle, hook specs, config, model runner and models."""

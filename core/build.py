@@ -1,0 +1,64 @@
+"""Start-up: config layers -> EngineConfig -> model, runner and strategy objects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import torch
+from tokenloom.core.config import EngineConfig, build_config, load_toml
+from tokenloom.core.loader.resolve import resolve_model_path
+from tokenloom.core.plugins import PluginManager
+from tokenloom.core.runner import DTYPES, ModelRunner, load_checkpoint, pick_device
+
+log = structlog.get_logger("tokenloom.build")
+
+
+def config_from_sources(pm: PluginManager, config_file=None, flags: dict | None = None,
+                        kwargs: dict | None = None) -> EngineConfig:
+    """kwargs > flags > file > defaults."""
+    file_layer = load_toml(config_file) if config_file else {}
+    return build_config(pm, file_layer, flags or {}, kwargs or {})
+
+
+@dataclass(slots=True)
+class EngineParts:
+    tokenizer: Any
+    model_config: Any
+    model_name: str
+    max_model_len: int
+    runner: ModelRunner
+    cache: Any
+    scheduler: Any
+    decoder: Any
+
+
+def build_engine_parts(config: EngineConfig, pm: PluginManager, progress=None) -> EngineParts:
+    e = config.engine
+    if e.num_threads:
+        torch.set_num_threads(e.num_threads)
+    device = pick_device(e.device)
+    dtype = DTYPES[e.dtype]
+    backend_entry = pm.get("backend", config.backend.name)
+    path = resolve_model_path(e.model)
+    formats = {name: entry.factory for name, entry in pm.entries("model_format").items()}
+    ckpt = load_checkpoint(path, formats, dtype, progress)
+    mcfg = ckpt.config
+    max_model_len = min(e.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+    num_blocks = e.num_kv_blocks or ModelRunner.num_blocks_for(mcfg, dtype, e.block_size, e.kv_cache_memory_mb)
+    backend = backend_entry.factory(config.backend.options, device)
+    tokenizer, name = ckpt.tokenizer, ckpt.name
+    runner = ModelRunner(ckpt, backend=backend, dtype=dtype, device=device, num_blocks=num_blocks,
+                         block_size=e.block_size, max_model_len=max_model_len, seed=e.seed)
+    if config.quantizer is not None:
+        quantizer = pm.get("quantizer", config.quantizer.name).factory(config.quantizer.options)
+        runner.model = quantizer.quantize(runner.model, None)
+    cache = pm.get("cache_manager", config.cache_manager.name).factory(
+        config.cache_manager.options, num_blocks, e.block_size)
+    scheduler = pm.get("scheduler", config.scheduler.name).factory(config.scheduler.options, cache, config)
+    decoder = pm.get("decoder", config.decoder.name).factory(config.decoder.options, runner)
+    log.info("engine_built", model=name, format=ckpt.format, device=str(device), dtype=e.dtype,
+             num_kv_blocks=num_blocks, block_size=e.block_size, max_model_len=max_model_len,
+             **{role: strategy for role, strategy in config.selection().items()})
+    return EngineParts(tokenizer, mcfg, name, max_model_len, runner, cache, scheduler, decoder)

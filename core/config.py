@@ -1,0 +1,207 @@
+"""One validated engine config from defaults, a TOML file, CLI flags and keyword arguments.
+
+Precedence: keyword arguments > flags > file > defaults. Each layer is a nested dict:
+top-level engine keys, plus one table per role whose ``name`` picks the strategy and whose
+other keys are that strategy's options (validated against the options struct it
+registered, so an unknown key fails naming it)::
+
+    model = "smollm2-135m"
+    dtype = "bfloat16"
+    [scheduler]
+    name = "continuous"
+    max_num_seqs = 32
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import tomllib
+from tokenloom.core.errors import ConfigError
+from tokenloom.core.plugins import ROLE_LABELS, ROLES, PluginManager
+
+DEFAULT_MODEL = "smollm2-135m"
+SELECTABLE_ROLES = ("scheduler", "cache_manager", "decoder", "backend", "quantizer")
+DEFAULT_STRATEGIES = {
+    "scheduler": "continuous",
+    "cache_manager": "paged",
+    "decoder": "standard",
+    "backend": "torch",
+    "quantizer": None,
+}
+
+
+class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Top-level keys (not tied to one strategy)."""
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "bfloat16"  # float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    max_model_len: int = 0  # 0 = the model's own context length
+    block_size: int = 16  # tokens per KV block, shared by every cache manager
+    kv_cache_memory_mb: int = 1024  # KV pool budget; ignored when num_kv_blocks > 0
+    num_kv_blocks: int = 0
+    seed: int = 0
+    num_threads: int = 0  # torch intra-op threads; 0 = torch's default
+
+
+@dataclass(slots=True)
+class StrategyConfig:
+    name: str
+    options: Any = None  # the strategy's own msgspec Struct (or None if it has no options)
+
+    def to_dict(self) -> dict[str, Any]:
+        opts = msgspec.to_builtins(self.options) if self.options is not None else {}
+        return {"name": self.name, **opts}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    scheduler: StrategyConfig = field(default_factory=lambda: StrategyConfig("continuous"))
+    cache_manager: StrategyConfig = field(default_factory=lambda: StrategyConfig("paged"))
+    decoder: StrategyConfig = field(default_factory=lambda: StrategyConfig("standard"))
+    backend: StrategyConfig = field(default_factory=lambda: StrategyConfig("torch"))
+    quantizer: StrategyConfig | None = None
+
+    def selection(self) -> dict[str, str | None]:
+        return {
+            role: (getattr(self, role).name if getattr(self, role) is not None else None)
+            for role in SELECTABLE_ROLES
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = msgspec.to_builtins(self.engine)
+        for role in SELECTABLE_ROLES:
+            strategy = getattr(self, role)
+            if strategy is not None:
+                out[role] = strategy.to_dict()
+        return out
+
+    def to_toml(self) -> str:
+        return dump_toml(self.to_dict())
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+
+
+def merge_layers(*layers: Mapping[str, Any]) -> dict[str, Any]:
+    """Later layers win. A role table whose ``name`` changes drops the earlier options."""
+    out: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if key in SELECTABLE_ROLES or key in ROLES:
+                value = {"name": value} if isinstance(value, str) else dict(value or {})
+                prev = out.get(key, {})
+                if "name" in value and prev.get("name") not in (None, value["name"]):
+                    prev = {}
+                out[key] = {**prev, **copy.deepcopy(value)}
+            else:
+                out[key] = copy.deepcopy(value)
+    return out
+
+
+def build_config(pm: PluginManager, *layers: Mapping[str, Any]) -> EngineConfig:
+    """Validate merged layers into an :class:`EngineConfig`; errors name the key."""
+    raw = merge_layers(*layers)
+    role_tables = {role: raw.pop(role) for role in list(raw) if role in SELECTABLE_ROLES}
+    for key in list(raw):
+        if key in ROLES:  # e.g. model_format: chosen by the checkpoint, not by config
+            raise ConfigError(f"{ROLE_LABELS[key]} cannot be selected in the config")
+    try:
+        engine = msgspec.convert(raw, EngineOptions, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid engine option: {exc}") from None
+    _check_engine(engine)
+    config = EngineConfig(engine=engine)
+    for role in SELECTABLE_ROLES:
+        table = dict(role_tables.get(role, {}))
+        name = table.pop("name", DEFAULT_STRATEGIES[role])
+        if name is None or name == "none":
+            if table:
+                raise ConfigError(f"options given for {ROLE_LABELS[role]} but none is selected")
+            setattr(config, role, None)
+            continue
+        entry = pm.get(role, name)
+        setattr(config, role, StrategyConfig(name, _convert_options(role, name, entry.options, table)))
+    pm.check_combination(config.selection())
+    return config
+
+
+def _convert_options(role: str, name: str, options_type: type | None, table: dict) -> Any:
+    if options_type is None:
+        if table:
+            key = next(iter(table))
+            raise ConfigError(f"unknown key {role}.{key}: {ROLE_LABELS[role]} {name!r} takes no options")
+        return None
+    try:
+        return msgspec.convert(table, options_type, strict=False)
+    except msgspec.ValidationError as exc:
+        msg = str(exc)
+        if "unknown field" in msg:
+            key = msg.split("`")[1] if "`" in msg else "?"
+            known = ", ".join(options_type.__struct_fields__)
+            raise ConfigError(
+                f"unknown key {role}.{key} for {ROLE_LABELS[role]} {name!r}; known: {known}"
+            ) from None
+        raise ConfigError(f"invalid option for {ROLE_LABELS[role]} {name!r}: {msg}") from None
+
+
+def _check_engine(e: EngineOptions) -> None:
+    if e.dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {e.dtype!r}")
+    if e.block_size < 1 or e.block_size & (e.block_size - 1):
+        raise ConfigError(f"block_size must be a power of two, got {e.block_size}")
+    for key in ("max_model_len", "kv_cache_memory_mb", "num_kv_blocks", "seed", "num_threads"):
+        if getattr(e, key) < 0:
+            raise ConfigError(f"{key} must be >= 0, got {getattr(e, key)}")
+
+
+def parse_override(item: str) -> dict[str, Any]:
+    """``"scheduler.max_num_seqs=8"`` -> ``{"scheduler": {"max_num_seqs": 8}}`` (TOML value)."""
+    if "=" not in item:
+        raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+    key, value = item.split("=", 1)
+    try:
+        parsed = tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        parsed = value  # a bare string
+    parts = key.strip().split(".")
+    out: dict[str, Any] = {}
+    node = out
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = parsed
+    return out
+
+
+def dump_toml(data: Mapping[str, Any]) -> str:
+    """A small TOML writer for flat keys plus one level of tables (all a config needs)."""
+    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, Mapping)]
+    for key, table in data.items():
+        if isinstance(table, Mapping):
+            lines.append(f"\n[{key}]")
+            lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'

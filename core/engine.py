@@ -1,0 +1,302 @@
+"""AsyncEngine: owns the request lifecycle. One asyncio task runs the step loop
+(schedule -> execute in a worker thread -> update); every request gets a stream of
+TokenDeltas that ends with exactly one Finished."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import structlog
+from tokenloom.core.build import EngineParts, build_engine_parts
+from tokenloom.core.config import EngineConfig
+from tokenloom.core.detokenizer import IncrementalDetokenizer
+from tokenloom.core.errors import ClientError, EngineDeadError, RequestTooLong
+from tokenloom.core.metrics import EngineCounters, RequestTimer, StepStats
+from tokenloom.core.outputs import Finished, Logprob, TokenDelta, TokenLogprobs, Usage
+from tokenloom.core.plugins import PluginManager
+from tokenloom.core.sampling_params import SamplingParams
+from tokenloom.core.sequence import FINISH_REASONS, Batch, Sequence, SequenceStatus
+
+log = structlog.get_logger("tokenloom.engine")
+MAX_PROMPT_CHARS = 1 << 22
+
+
+@dataclass(eq=False, slots=True)
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    queue: asyncio.Queue
+    timer: RequestTimer = field(default_factory=RequestTimer)
+    done: bool = False
+
+
+class AsyncEngine:
+    """``engine.generate(prompt, params)`` -> async iterator of TokenDelta ... Finished."""
+
+    def __init__(self, config: EngineConfig, *, plugin_manager: PluginManager | None = None, progress=None):
+        self.config = config
+        self.pm = plugin_manager or PluginManager()
+        parts: EngineParts = build_engine_parts(config, self.pm, progress)
+        self.tokenizer, self.model_config = parts.tokenizer, parts.model_config
+        self.model_name, self.max_model_len = parts.model_name, parts.max_model_len
+        self.runner, self.cache, self.scheduler, self.decoder = parts.runner, parts.cache, parts.scheduler, parts.decoder
+        self.counters = EngineCounters()
+        self._requests: dict[str, _Request] = {}
+        self._pending_aborts: list[str] = []
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenloom-step")
+        self._loop_task: asyncio.Task | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._dead: BaseException | None = None
+        self._observe_steps = self.pm.has_impl("step_finished")
+        self._observe_requests = self.pm.has_impl("request_finished")
+        self._started_hook_called = False
+
+    @classmethod
+    def from_options(cls, config_file=None, flags=None, plugin_manager=None, progress=None, **kwargs):
+        from tokenloom.core.build import config_from_sources
+
+        pm = plugin_manager or PluginManager()
+        return cls(config_from_sources(pm, config_file, flags, kwargs), plugin_manager=pm, progress=progress)
+
+    # ---- submission -------------------------------------------------------------
+    def _ensure_loop(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine stopped after an internal error: {self._dead}")
+        if self._loop_task is None or self._loop_task.done():
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop(), name="tokenloom-step-loop")
+            if not self._started_hook_called:
+                self._started_hook_called = True
+                self.pm.hook.engine_started(config=self.config, engine=self)
+
+    def prompt_ids(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:
+        if (prompt is None) == (messages is None):
+            raise ClientError("give exactly one of prompt or messages", param="prompt")
+        if messages is not None:
+            if not isinstance(messages, list) or not messages:
+                raise ClientError.bad_value("messages", messages, "a non-empty list of {role, content}")
+            prompt = self.tokenizer.apply_chat_template(messages)
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ClientError("prompt must not be empty", param="prompt", value=prompt)
+            if len(prompt) > MAX_PROMPT_CHARS:
+                raise RequestTooLong(f"prompt has {len(prompt)} characters, over {MAX_PROMPT_CHARS}", param="prompt")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list) or not prompt:
+            raise ClientError.bad_value("prompt", prompt, "a non-empty string or list of token ids")
+        vocab = self.model_config.vocab_size
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ClientError.bad_value("prompt", t, f"token ids in [0, {vocab})")
+        return list(prompt)
+
+    def submit(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
+               messages: list[dict] | None = None, request_id: str | None = None) -> _Request:
+        """Validate and enqueue; raises ClientError before anything is accepted."""
+        self._ensure_loop()
+        params = params or SamplingParams()
+        params.validate(self.model_config.vocab_size)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._requests:
+            raise ClientError(f"request id {request_id!r} is already in use", param="request_id", value=request_id)
+        ids = self.prompt_ids(prompt, messages)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise RequestTooLong(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"length {self.max_model_len}", param="max_tokens", value=params.max_tokens)
+        seq = Sequence(request_id, ids, params, eos_token_ids=self.tokenizer.eos_token_ids)
+        self.scheduler.add(seq)  # may raise RequestTooLong (can never fit the cache)
+        req = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params.stop), asyncio.Queue())
+        self._requests[request_id] = req
+        self.counters.prompt_tokens += len(ids)
+        self._wakeup.set()
+        return req
+
+    async def generate(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
+                       messages: list[dict] | None = None,
+                       request_id: str | None = None) -> AsyncIterator[TokenDelta | Finished]:
+        req = self.submit(prompt, params, messages=messages, request_id=request_id)
+        try:
+            while True:
+                item = await req.queue.get()
+                yield item
+                if isinstance(item, Finished):
+                    return
+        finally:
+            if not req.done:  # the consumer went away: do not generate for nobody
+                self.abort(req.seq.request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort at the next step boundary; the stream ends with Finished('aborted')."""
+        if request_id not in self._requests or self._requests[request_id].done:
+            return False
+        self._pending_aborts.append(request_id)
+        if self._wakeup is not None:
+            self._wakeup.set()
+        return True
+
+    # ---- the step loop ------------------------------------------------------------
+    async def _run_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                self._apply_aborts()
+                if not self.scheduler.has_unfinished():
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                batch = self.scheduler.schedule()
+                if batch.is_empty:
+                    await asyncio.sleep(0.001)
+                    continue
+                t0 = time.perf_counter()
+                out = await loop.run_in_executor(self._executor, self.decoder.step, batch)
+                self._update(batch, out, time.perf_counter() - t0)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the step failed: end every request, keep nothing hanging
+            log.exception("engine_step_failed", error=str(exc))
+            self._dead = exc
+            for req in list(self._requests.values()):
+                self.scheduler.abort(req.seq.request_id)
+                self._finish(req, SequenceStatus.FINISHED_ERROR, error=f"internal error: {type(exc).__name__}")
+
+    def _apply_aborts(self) -> None:
+        while self._pending_aborts:
+            req = self._requests.get(self._pending_aborts.pop())
+            if req is not None and not req.done:
+                self.scheduler.abort(req.seq.request_id)
+                self._finish(req, SequenceStatus.FINISHED_ABORTED)
+
+    def _update(self, batch: Batch, out: dict[Sequence, list[int]], step_time: float) -> None:
+        now = time.monotonic()
+        generated = prefill_tokens = decode_seqs = 0
+        for seq, n in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
+            req = self._requests[seq.request_id]
+            seq.num_computed_tokens += n
+            req.timer.on_scheduled(now)
+            if n > 1 or seq.num_computed_tokens <= seq.num_prompt_tokens:
+                prefill_tokens += n
+            else:
+                decode_seqs += 1
+            new = out.get(seq)
+            if not new:
+                continue
+            status, accepted = None, []
+            for tok in new:
+                seq.append_token(tok)
+                accepted.append(tok)
+                status = self._check_stop(seq, req, tok)
+                if status is not None:
+                    break
+            generated += len(accepted)
+            req.timer.on_tokens(now, len(accepted))
+            self._emit(req, accepted, final=status is not None)
+            if status is not None:
+                self._finish(req, status)
+        c = self.counters
+        c.steps += 1
+        c.generated_tokens += generated
+        c.busy_time_s += step_time
+        c.preemptions += len(batch.preempted)
+        cache_stats = self.cache.stats()
+        c.peak_kv_usage = max(c.peak_kv_usage, cache_stats.usage)
+        c.peak_running = max(c.peak_running, len(batch.seqs))
+        if self._observe_steps:
+            self.pm.hook.step_finished(stats=StepStats(
+                c.steps, step_time * 1e3, self.scheduler.num_running, self.scheduler.num_waiting,
+                batch.num_batched_tokens, prefill_tokens, decode_seqs, generated, len(batch.preempted),
+                c.preemptions, cache_stats.usage, cache_stats.num_free_blocks, cache_stats.num_blocks,
+                cache_stats.hit_rate))
+
+    def _check_stop(self, seq: Sequence, req: _Request, tok: int) -> SequenceStatus | None:
+        p = seq.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in seq.eos_token_ids):
+            return SequenceStatus.FINISHED_STOPPED
+        if req.detok.add(tok):
+            return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _emit(self, req: _Request, token_ids: list[int], final: bool) -> None:
+        text = req.detok.take_delta(final)
+        logprobs = None
+        if req.seq.new_logprobs:
+            logprobs = [TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob,
+                                      top=[Logprob(t, v) for t, v in lp.top]) for lp in req.seq.new_logprobs]
+            req.seq.new_logprobs = None
+        if text or token_ids:
+            req.queue.put_nowait(TokenDelta(request_id=req.seq.request_id, text=text,
+                                            token_ids=token_ids, logprobs=logprobs))
+
+    def _finish(self, req: _Request, status: SequenceStatus, error: str | None = None) -> None:
+        seq = req.seq
+        seq.status = status
+        if status is not SequenceStatus.FINISHED_ABORTED and status is not SequenceStatus.FINISHED_ERROR:
+            self.scheduler.finish(seq)
+        release = getattr(self.decoder, "release", None)
+        if release is not None:
+            release(seq)
+        tail = req.detok.take_delta(final=True)
+        if tail:
+            req.queue.put_nowait(TokenDelta(request_id=seq.request_id, text=tail, token_ids=[]))
+        req.done = True
+        final = Finished(
+            request_id=seq.request_id, finish_reason=FINISH_REASONS[status], text=req.detok.text,
+            token_ids=seq.output_token_ids,
+            usage=Usage(prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
+                        completion_tokens=seq.num_output_tokens),
+            metrics=req.timer.finish(seq.num_preemptions), error=error)
+        req.queue.put_nowait(final)
+        del self._requests[seq.request_id]
+        self.counters.finished_requests += 1
+        m = final.metrics
+        log.info("request_finished", request_id=seq.request_id, finish_reason=final.finish_reason,
+                 prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_output_tokens,
+                 ttft_ms=_r(m.ttft_ms), tpot_ms=_r(m.tpot_ms), e2e_ms=_r(m.e2e_ms), preemptions=m.num_preemptions)
+        if self._observe_requests:
+            self.pm.hook.request_finished(request_id=seq.request_id, output=final)
+
+    # ---- introspection and shutdown ---------------------------------------------------
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    def stats(self) -> dict:
+        cs = self.cache.stats()
+        c = self.counters
+        return {
+            "running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
+            "kv_usage": cs.usage, "kv_blocks_free": cs.num_free_blocks, "kv_blocks_total": cs.num_blocks,
+            "kv_waste": cs.waste, "prefix_hit_rate": cs.hit_rate, "preemptions": c.preemptions,
+            "steps": c.steps, "generated_tokens": c.generated_tokens, "prompt_tokens": c.prompt_tokens,
+            "finished_requests": c.finished_requests, "peak_kv_usage": c.peak_kv_usage,
+            "peak_running": c.peak_running,
+        }
+
+    async def shutdown(self) -> None:
+        for rid in list(self._requests):
+            self.abort(rid)
+        if self._loop_task is not None and not self._loop_task.done():
+            while self._requests and not self._loop_task.done():
+                await asyncio.sleep(0.005)
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._loop_task = None
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+def _r(x: float | None) -> float | None:
+    return round(x, 2) if x is not None else None
+

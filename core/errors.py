@@ -1,0 +1,60 @@
+"""Typed errors. User input is checked with these, never with ``assert``."""
+
+from __future__ import annotations
+
+
+class TokenloomError(Exception):
+    """Base of every error tokenloom raises on purpose."""
+
+    code = "internal"
+
+
+class ClientError(TokenloomError, ValueError):
+    """The request is wrong: names the parameter and the value it got."""
+
+    code = "invalid_request"
+
+    def __init__(self, message: str, *, param: str | None = None, value: object = None):
+        super().__init__(message)
+        self.param = param
+        self.value = value
+
+    @classmethod
+    def bad_value(cls, param: str, value: object, expected: str) -> ClientError:
+        return cls(f"{param} must be {expected}, got {value!r}", param=param, value=value)
+
+
+class RequestTooLong(ClientError):
+    """The prompt (plus max_tokens) can never fit the model or the KV cache."""
+
+    code = "context_length_exceeded"
+
+
+class ConfigError(TokenloomError, ValueError):
+    """The engine configuration is invalid (unknown key, bad value, bad combination)."""
+
+    code = "invalid_config"
+
+
+class UnknownPluginError(ConfigError, KeyError):
+    """A strategy name no plugin registered."""
+
+    def __init__(self, role: str, name: str, known: list[str]):
+        self.role, self.name, self.known = role, name, known
+        msg = f"unknown {role} {name!r}; known: {', '.join(sorted(known)) or '(none)'}"
+        ConfigError.__init__(self, msg)
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.args[0]
+
+
+class ServerError(TokenloomError, RuntimeError):
+    """Something went wrong on our side while serving an accepted request."""
+
+    code = "server_error"
+
+
+class EngineDeadError(ServerError):
+    """The step loop died; no further request can be served."""
+
+    code = "engine_dead"

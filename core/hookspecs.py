@@ -1,0 +1,129 @@
+"""Every hook tokenloom defines. Plugins implement them with ``@hookimpl``.
+
+Three kinds, three verbs:
+
+* ``register_*(register)`` — called once at start-up for each plugin that implements it;
+  the plugin calls ``register(name, factory, options=..., requires=..., conflicts=...)``
+  for each strategy it provides. The hot loop never goes through pluggy.
+* event hooks (``engine_started``, ``step_finished``, ``request_finished``) notify
+  observers; the engine skips them when nothing implements them.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "tokenloom"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def register_schedulers(register):
+    """Register scheduler factories.
+
+    Called once per plugin manager, at start-up, before any engine is built.
+
+    :param register: ``register(name, factory, *, options=None, requires=None,
+        conflicts=None, description="")``. ``factory(options, cache_manager, engine_config)``
+        must return an object satisfying :class:`tokenloom.core.interfaces.Scheduler`.
+        ``options`` is a msgspec Struct type; the config section of this strategy is
+        converted to it, so an unknown key fails naming the key.
+    :returns: nothing; results are ignored.
+    """
+
+
+@hookspec
+def register_cache_managers(register):
+    """Register KV-cache manager factories.
+
+    Called once per plugin manager, at start-up.
+
+    :param register: as for :func:`register_schedulers`; ``factory(options, num_blocks,
+        block_size)`` returns a :class:`tokenloom.core.interfaces.CacheManager`.
+    :returns: nothing; results are ignored.
+    """
+
+
+@hookspec
+def register_quantizers(register):
+    """Register weight quantizers.
+
+    Called once per plugin manager, at start-up.
+
+    :param register: as for :func:`register_schedulers`; ``factory(options)`` returns an
+        object with ``quantize(model, calibration) -> model`` and ``load(checkpoint)``.
+    :returns: nothing; results are ignored.
+    """
+
+
+@hookspec
+def register_decoders(register):
+    """Register decoder strategies (standard, speculative, ...).
+
+    Called once per plugin manager, at start-up.
+
+    :param register: as for :func:`register_schedulers`; ``factory(options, runner)``
+        returns a :class:`tokenloom.core.interfaces.Decoder`.
+    :returns: nothing; results are ignored.
+    """
+
+
+@hookspec
+def register_backends(register):
+    """Register compute backends.
+
+    Called once per plugin manager, at start-up.
+
+    :param register: as for :func:`register_schedulers`; ``factory(options, device)``
+        returns a :class:`tokenloom.core.interfaces.Backend`.
+    :returns: nothing; results are ignored.
+    """
+
+
+@hookspec
+def register_model_formats(register):
+    """Register model checkpoint formats (GGUF, Hugging Face directories, ...).
+
+    Called once per plugin manager, at start-up.
+
+    :param register: as for :func:`register_schedulers`; ``factory()`` returns an object
+        with ``claims(path) -> bool`` and ``load(path, dtype, progress) -> LoadedModel``.
+        The first format whose ``claims`` is true loads the checkpoint.
+    :returns: nothing; results are ignored.
+    """
+
+
+@hookspec
+def engine_started(config, engine):
+    """The engine has loaded its model and built its strategies.
+
+    Called once per engine, on the event loop, before the first step.
+
+    :param config: the effective :class:`tokenloom.core.config.EngineConfig`.
+    :param engine: the :class:`tokenloom.core.engine.AsyncEngine`.
+    :returns: nothing; results are ignored.
+    """
+
+
+@hookspec
+def step_finished(stats):
+    """One engine step has finished. Skipped entirely when no plugin implements it.
+
+    Called once per step, on the event loop, after outputs were pushed to streams.
+
+    :param stats: a :class:`tokenloom.core.metrics.StepStats`.
+    :returns: nothing; results are ignored.
+    """
+
+
+@hookspec
+def request_finished(request_id, output):
+    """A request has finished (stop, length, abort or error).
+
+    Called exactly once per accepted request, on the event loop.
+
+    :param request_id: the request's id.
+    :param output: the final :class:`tokenloom.core.outputs.RequestOutput`.
+    :returns: nothing; results are ignored.
+    """

@@ -1,0 +1,62 @@
+"""Per-request timing (TTFT, TPOT, inter-token latency) and per-step engine stats."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tokenloom.core.outputs import RequestMetrics
+
+
+@dataclass(slots=True)
+class RequestTimer:
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    def on_scheduled(self, now: float) -> None:
+        if self.first_scheduled is None:
+            self.first_scheduled = now
+
+    def on_tokens(self, now: float, n: int) -> None:
+        self.token_times.extend([now] * n)
+
+    def finish(self, num_preemptions: int = 0) -> RequestMetrics:
+        now = time.monotonic()
+        t = self.token_times
+        ttft = (t[0] - self.arrival) * 1e3 if t else None
+        tpot = (t[-1] - t[0]) * 1e3 / (len(t) - 1) if len(t) > 1 else None
+        itl = [(b - a) * 1e3 for a, b in zip(t, t[1:], strict=False)]
+        queue = (self.first_scheduled - self.arrival) * 1e3 if self.first_scheduled is not None else None
+        return RequestMetrics(ttft_ms=ttft, tpot_ms=tpot, e2e_ms=(now - self.arrival) * 1e3,
+                              queue_ms=queue, itl_ms=itl, num_preemptions=num_preemptions)
+
+
+@dataclass(slots=True)
+class StepStats:
+    step: int
+    step_time_ms: float
+    num_running: int
+    num_waiting: int
+    num_batched_tokens: int
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    num_generated_tokens: int
+    num_preempted: int  # this step
+    total_preemptions: int
+    kv_usage: float
+    num_free_blocks: int
+    num_blocks: int
+    prefix_hit_rate: float
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    finished_requests: int = 0
+    preemptions: int = 0
+    peak_kv_usage: float = 0.0
+    peak_running: int = 0
+    busy_time_s: float = 0.0

@@ -1,0 +1,1 @@
+"""Model definitions. The model calls the backend for every hot op."""

@@ -1,0 +1,51 @@
+"""What a request's stream yields: TokenDeltas, then exactly one Finished."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Logprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, kw_only=True):
+    token_id: int
+    logprob: float
+    top: list[Logprob] = msgspec.field(default_factory=list)
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+class RequestMetrics(msgspec.Struct, frozen=True, kw_only=True):
+    ttft_ms: float | None  # arrival -> first token
+    tpot_ms: float | None  # mean time per output token after the first
+    e2e_ms: float  # arrival -> finish
+    queue_ms: float | None  # arrival -> first scheduled
+    itl_ms: list[float] = msgspec.field(default_factory=list)  # gaps between token arrivals
+    num_preemptions: int = 0
+
+
+class TokenDelta(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+
+
+class Finished(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    finish_reason: str  # stop | length | aborted | error
+    text: str  # the whole generated text (== concatenation of the deltas)
+    token_ids: list[int]
+    usage: Usage
+    metrics: RequestMetrics
+    error: str | None = None
+
+
+RequestOutput = Finished  # the hook spec's name for the final result

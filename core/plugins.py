@@ -1,0 +1,157 @@
+"""Plugin manager: built-ins and third-party packages register through the same hooks."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+import structlog
+from tokenloom.core import env, hookspecs
+from tokenloom.core.errors import ConfigError, UnknownPluginError
+
+log = structlog.get_logger("tokenloom.plugins")
+
+ROLES = ("scheduler", "cache_manager", "quantizer", "decoder", "backend", "model_format")
+_HOOK_OF_ROLE = {
+    "scheduler": "register_schedulers",
+    "cache_manager": "register_cache_managers",
+    "quantizer": "register_quantizers",
+    "decoder": "register_decoders",
+    "backend": "register_backends",
+    "model_format": "register_model_formats",
+}
+ROLE_LABELS = {role: role.replace("_", " ") for role in ROLES}
+
+#: Built-in plugins, registered exactly like third-party ones.
+BUILTIN_PLUGINS = (
+    "tokenloom.plugins.schedulers.continuous",
+    "tokenloom.plugins.schedulers.static",
+    "tokenloom.plugins.cache.paged",
+    "tokenloom.plugins.cache.contiguous",
+    "tokenloom.plugins.decoders.standard",
+    "tokenloom.plugins.formats",
+    "tokenloom.backends.torch_backend",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PluginEntry:
+    """One registered strategy."""
+
+    role: str
+    name: str
+    factory: Callable[..., Any]
+    options: type | None
+    source: str  # the plugin (module or entry point) that registered it
+    package: str  # the distribution it came from
+    requires: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    conflicts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    description: str = ""
+
+
+class PluginManager:
+    """Collects the strategies every plugin registers; answers lookups by name."""
+
+    def __init__(self, *, load_entry_points: bool | None = None, extra: Iterable[object] = ()):
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self._package_of: dict[str, str] = {}
+        for module_path in BUILTIN_PLUGINS:
+            self.pm.register(importlib.import_module(module_path), name=module_path)
+            self._package_of[module_path] = "tokenloom"
+        if load_entry_points is None:
+            load_entry_points = not env.plugin_autoload_disabled()
+        if load_entry_points:
+            self._load_entry_points()
+        for plugin in extra:
+            self.register(plugin)
+        self._entries: dict[str, dict[str, PluginEntry]] | None = None
+
+    def register(self, plugin: object, name: str | None = None, package: str = "(in-process)") -> None:
+        name = self.pm.register(plugin, name=name)
+        self._package_of[name] = package
+        self._entries = None
+
+    def _load_entry_points(self) -> None:
+        allow = env.plugin_allowlist()
+        for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT):
+            if allow is not None and ep.name not in allow:
+                continue
+            dist = ep.dist.name if ep.dist is not None else "?"
+            try:
+                plugin = ep.load()
+                self.pm.register(plugin, name=ep.name)
+            except Exception as exc:
+                if allow is not None:  # explicitly requested: fail loudly
+                    raise ConfigError(f"plugin {ep.name!r} from {dist} failed to load: {exc}") from exc
+                log.warning("plugin_load_failed", plugin=ep.name, package=dist, error=str(exc))
+                continue
+            self._package_of[ep.name] = dist
+
+    @property
+    def hook(self):
+        return self.pm.hook
+
+    def has_impl(self, hook_name: str) -> bool:
+        return bool(getattr(self.pm.hook, hook_name).get_hookimpls())
+
+    # ---- registry -------------------------------------------------------------------
+    def entries(self, role: str) -> dict[str, PluginEntry]:
+        if self._entries is None:
+            self._entries = self._collect()
+        return self._entries[role]
+
+    def _collect(self) -> dict[str, dict[str, PluginEntry]]:
+        out: dict[str, dict[str, PluginEntry]] = {role: {} for role in ROLES}
+        for role, hook_name in _HOOK_OF_ROLE.items():
+            for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+                source = impl.plugin_name
+                package = self._package_of.get(source, "?")
+
+                def register(name, factory, *, options=None, requires=None, conflicts=None,
+                             description="", _role=role, _source=source, _package=package):
+                    if name in out[_role]:
+                        prev = out[_role][name]
+                        raise ConfigError(
+                            f"{ROLE_LABELS[_role]} {name!r} registered twice: by {prev.source} and {_source}"
+                        )
+                    out[_role][name] = PluginEntry(
+                        _role, name, factory, options, _source, _package,
+                        {k: tuple(v) for k, v in (requires or {}).items()},
+                        {k: tuple(v) for k, v in (conflicts or {}).items()},
+                        description or (factory.__doc__ or "").strip().split("\n")[0],
+                    )
+
+                impl.function(register=register)
+        return out
+
+    def get(self, role: str, name: str) -> PluginEntry:
+        entries = self.entries(role)
+        if name not in entries:
+            raise UnknownPluginError(ROLE_LABELS[role], name, list(entries))
+        return entries[name]
+
+    def check_combination(self, selection: Mapping[str, str | None]) -> None:
+        """Fail with a sentence when a selected strategy requires or conflicts with another."""
+        for role, name in selection.items():
+            if name is None:
+                continue
+            entry = self.get(role, name)
+            for other_role, allowed in entry.requires.items():
+                chosen = selection.get(other_role)
+                if chosen not in allowed:
+                    raise ConfigError(
+                        f"{ROLE_LABELS[role]} {name!r} requires {ROLE_LABELS[other_role]} "
+                        f"{' or '.join(map(repr, allowed))}, but {chosen!r} is selected"
+                    )
+            for other_role, banned in entry.conflicts.items():
+                chosen = selection.get(other_role)
+                if chosen in banned:
+                    raise ConfigError(
+                        f"{ROLE_LABELS[role]} {name!r} cannot be combined with "
+                        f"{ROLE_LABELS[other_role]} {chosen!r}"
+                    )

@@ -1,0 +1,100 @@
+"""ModelRunner: a Batch in, logits out. Owns the model, the KV tensors and the sampler."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from tokenloom.core.attention import AttentionInputs, PrefillSpan
+from tokenloom.core.loader import LoadedCheckpoint
+from tokenloom.core.models.llama import LlamaModel
+from tokenloom.core.sampler import Sampler
+from tokenloom.core.sequence import Batch, Sequence
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class ModelRunner:
+    def __init__(self, checkpoint: LoadedCheckpoint, *, backend, dtype: torch.dtype, device: torch.device,
+                 num_blocks: int, block_size: int, max_model_len: int, seed: int = 0):
+        self.cfg = checkpoint.config
+        self.backend, self.dtype, self.device = backend, dtype, device
+        self.block_size, self.num_blocks, self.max_model_len = block_size, num_blocks, max_model_len
+        self.model = LlamaModel(self.cfg, dtype, backend, max_model_len)
+        self.model.load_weights(checkpoint.weights)
+        self.model.to(device)
+        checkpoint.weights.clear()  # let the dequantised copies go
+        shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        # Zeroed, not empty: padded decode rows read (and mask) unwritten slots, and
+        # 0 * NaN from uninitialised memory would poison the softmax-weighted sum.
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                           torch.zeros(shape, dtype=dtype, device=device)) for _ in range(self.cfg.num_layers)]
+        self.sampler = Sampler(seed, device)
+
+    @staticmethod
+    def num_blocks_for(cfg, dtype: torch.dtype, block_size: int, memory_mb: int) -> int:
+        per_block = cfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * block_size
+        return max(1, (memory_mb << 20) // per_block)
+
+    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs, list[int], list[Sequence]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        attn = AttentionInputs(slot_mapping=None, block_size=bs)  # type: ignore[arg-type]
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        for seq, n, table in zip(batch.seqs, batch.num_scheduled_tokens, batch.block_tables, strict=True):
+            start, row = seq.num_computed_tokens, len(input_ids)
+            end = start + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if n == 1 and start > 0:
+                attn.decode_rows.append(row)
+                attn.decode_context_lens.append(end)
+                attn.decode_block_tables.append(table)
+            else:
+                attn.prefills.append(PrefillSpan(row, row + n, end, table))
+            if end == seq.num_tokens:  # reached the end: this sequence samples a token
+                sample_rows.append(row + n - 1)
+                sample_seqs.append(seq)
+        dev = self.device
+        attn.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
+        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev), attn, sample_rows, sample_seqs)
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """Run the batch; return logits [S, V] for the S sequences that sample this step."""
+        input_ids, positions, attn, rows, seqs = self.prepare(batch)
+        meta = self.backend.prepare(attn)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not rows:
+            return None, []
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]), seqs
+
+    @torch.inference_mode()
+    def prefill_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
+        """Logits for every position of one prompt (tests and scoring)."""
+        seq = Sequence("score", list(token_ids), params=None)  # type: ignore[arg-type]
+        batch = Batch([seq], [len(token_ids)], [block_table])
+        input_ids, positions, attn, _, _ = self.prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, self.backend.prepare(attn))
+        return self.model.compute_logits(hidden)
+
+
+def load_checkpoint(path, registry_formats: dict[str, Callable], dtype: torch.dtype, progress=None) -> LoadedCheckpoint:
+    for factory in registry_formats.values():
+        fmt = factory()
+        if fmt.claims(path):
+            return fmt.load(path, dtype, progress)
+    from tokenloom.core.errors import ConfigError
+
+    raise ConfigError(f"no model format claims {str(path)!r}; known formats: {', '.join(registry_formats)}")

@@ -1,0 +1,120 @@
+"""Turn logits into tokens: penalties, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+All rows are processed together; a seeded request draws its noise from its own
+``torch.Generator``, so its output does not depend on what else is in the batch.
+Sampling uses the exponential-race form ``argmax(p / E)``, E ~ Exp(1), which draws
+exactly from ``p`` and lets each row use its own generator.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from tokenloom.core.sequence import Sequence
+
+
+class TokenLogprob(NamedTuple):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the n most likely (token id, logprob), best first
+
+
+class Sampler:
+    def __init__(self, seed: int = 0, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._seq_generators: dict[int, torch.Generator] = {}
+
+    def forget(self, seq: Sequence) -> None:
+        self._seq_generators.pop(seq.seq_id, None)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits: [B, V] float32, one row per sequence in ``seqs``."""
+        raw_logprobs = None
+        if any(s.params.logprobs is not None for s in seqs):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_penalties(logits, seqs)
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if random_rows:
+            idx = torch.tensor(random_rows, device=logits.device)
+            sub = [seqs[i] for i in random_rows]
+            tokens[idx] = self._sample(logits[idx], sub)
+        token_list = tokens.tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        if raw_logprobs is not None:
+            for i, s in enumerate(seqs):
+                n = s.params.logprobs
+                if n is None:
+                    continue
+                row = raw_logprobs[i]
+                top = []
+                if n:
+                    vals, ids = row.topk(n)
+                    top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+                logprobs[i] = TokenLogprob(token_list[i], row[token_list[i]].item(), top)
+        return token_list, logprobs
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0
+                or s.params.presence_penalty or s.params.frequency_penalty]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        V = logits.shape[-1]
+        for i in rows:
+            p = seqs[i].params
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(seqs[i].token_ids)), dtype=torch.long, device=logits.device)
+                seen = seen[seen < V]
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if p.presence_penalty or p.frequency_penalty:
+                out = torch.tensor(seqs[i].output_token_ids, dtype=torch.long, device=logits.device)
+                if out.numel():
+                    counts = torch.bincount(out[out < V], minlength=V).to(logits.dtype)
+                    logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        return logits
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        temps = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
+        logits = logits / temps[:, None]
+        top_k = [s.params.top_k for s in seqs]
+        top_p = [s.params.top_p for s in seqs]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = _top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)
+        min_p = [s.params.min_p for s in seqs]
+        if any(m > 0 for m in min_p):
+            thresh = torch.tensor(min_p, device=probs.device)[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < thresh, 0.0)
+        noise = torch.empty_like(probs)
+        for i, s in enumerate(seqs):
+            noise[i].exponential_(generator=self._generator_for(s))
+        return (probs / noise).argmax(dim=-1)
+
+    def _generator_for(self, seq: Sequence) -> torch.Generator:
+        if seq.params.seed is None:
+            return self.generator
+        gen = self._seq_generators.get(seq.seq_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+            self._seq_generators[seq.seq_id] = gen
+        return gen
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    V = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(V, device=logits.device)[None, :]
+    k = torch.tensor([kk if kk > 0 else V for kk in top_k], device=logits.device)[:, None]
+    drop = ranks >= k
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    p = torch.tensor(top_p, device=logits.device)[:, None]
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
+    drop = mass_before >= p  # keeps the smallest set whose mass reaches p (always >= 1 token)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)

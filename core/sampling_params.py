@@ -1,0 +1,118 @@
+"""SamplingParams: what the user asks of the sampler, validated before admission."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+from tokenloom.core.errors import ClientError
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+MAX_SEED = 2**63 - 1
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Sampling knobs, named as in vLLM / the OpenAI API.
+
+    ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` and ``min_p == 0``
+    switch those filters off. Penalties: ``repetition_penalty`` (CTRL/HF style, over prompt
+    and output), ``presence_penalty`` and ``frequency_penalty`` (OpenAI style, over the
+    output). ``stop`` strings are not included in the returned text. ``logprobs=n`` returns
+    the sampled token's log-probability and the top ``n`` alternatives, computed from the
+    model's raw distribution (before penalties and temperature), as vLLM does.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 256
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        """Build from untrusted input; an unknown field or a wrong type names the field."""
+        try:
+            params = msgspec.convert(data, cls, strict=True)
+        except msgspec.ValidationError as exc:
+            raise ClientError(f"invalid sampling params: {exc}", param=_field_of(exc)) from None
+        params.validate()
+        return params
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise :class:`ClientError` naming the first bad parameter."""
+        _finite("temperature", self.temperature)
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ClientError.bad_value("temperature", self.temperature, "in [0, 100]")
+        _finite("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ClientError.bad_value("top_p", self.top_p, "in (0, 1]")
+        _int("top_k", self.top_k)
+        if self.top_k < -1 or (vocab_size is not None and self.top_k > vocab_size):
+            limit = vocab_size if vocab_size is not None else "vocab_size"
+            raise ClientError.bad_value("top_k", self.top_k, f"-1, 0 (off) or in [1, {limit}]")
+        _finite("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ClientError.bad_value("min_p", self.min_p, "in [0, 1]")
+        _finite("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ClientError.bad_value("repetition_penalty", self.repetition_penalty, "in (0, 10]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _finite(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise ClientError.bad_value(name, value, "in [-2, 2]")
+        _int("max_tokens", self.max_tokens)
+        if self.max_tokens < 1:
+            raise ClientError.bad_value("max_tokens", self.max_tokens, ">= 1")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ClientError.bad_value("stop", len(self.stop), f"at most {MAX_STOP_STRINGS} strings")
+        for s in self.stop:
+            if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_LEN:
+                raise ClientError.bad_value("stop", s, f"non-empty strings of <= {MAX_STOP_STRING_LEN} chars")
+        for t in self.stop_token_ids:
+            _int("stop_token_ids", t)
+            if t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise ClientError.bad_value("stop_token_ids", t, "valid token ids")
+        if self.seed is not None:
+            _int("seed", self.seed)
+            if not 0 <= self.seed <= MAX_SEED:
+                raise ClientError.bad_value("seed", self.seed, f"in [0, {MAX_SEED}]")
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ClientError.bad_value("logprobs", self.logprobs, f"in [0, {MAX_LOGPROBS}]")
+
+
+def _finite(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ClientError.bad_value(name, value, "a finite number")
+
+
+def _int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ClientError.bad_value(name, value, "an integer")
+
+
+def _field_of(exc: msgspec.ValidationError) -> str | None:
+    # msgspec says "... - at `$.top_k`" or "Object contains unknown field `foo`".
+    text = str(exc)
+    for marker in ("`$.", "field `"):
+        if marker in text:
+            rest = text.split(marker, 1)[1]
+            return rest.split("`", 1)[0].split("[", 1)[0]
+    return None

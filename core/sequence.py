@@ -1,0 +1,121 @@
+"""One mutable Sequence carries a request through queue, cache, runner and back."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from tokenloom.core.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.IntEnum):
+    """Order means something: every status >= FINISHED_STOPPED is final."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # back in the waiting queue; its KV was dropped and will be recomputed
+    FINISHED_STOPPED = 3  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = 4  # max_tokens or the model's context
+    FINISHED_ABORTED = 5  # the client cancelled, left, or the server shut down
+    FINISHED_ERROR = 6  # rejected or failed on our side
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= SequenceStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "aborted",
+    SequenceStatus.FINISHED_ERROR: "error",
+}
+
+_seq_counter = itertools.count()
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """Token state of one request. ``token_ids`` is prompt + output.
+
+    ``num_computed_tokens`` counts tokens whose KV is in the cache (prefix hits included);
+    the scheduler advances it after each step; preemption resets it to 0.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from a prefix cache at first admission
+    num_preemptions: int = 0
+    cache_salt: str | None = None
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    # Per-step outputs filled by the decoder, read by the engine.
+    new_logprobs: list | None = None
+
+    def __post_init__(self) -> None:
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    def __hash__(self) -> int:
+        return self.seq_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def max_len(self) -> int:
+        """The most tokens this sequence can ever hold (prompt + max_tokens)."""
+        return self.num_prompt_tokens + self.params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+
+@dataclass(slots=True)
+class Batch:
+    """What the scheduler hands the decoder for one step.
+
+    ``num_scheduled_tokens[i]`` tokens of ``seqs[i]`` are run, starting at its
+    ``num_computed_tokens``; a sequence whose scheduled tokens reach its end gets a new
+    token sampled, a partial prefill chunk does not.
+    """
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs

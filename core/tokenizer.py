@@ -1,0 +1,131 @@
+"""Tokenizer (the `tokenizers` library) and chat template (sandboxed jinja2)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+from tokenloom.core.errors import ClientError
+
+CONTROL_TOKEN_TYPE = 3  # GGUF token_type for control tokens (<|im_start|>, ...)
+USER_DEFINED_TOKEN_TYPE = 4
+
+
+class Tokenizer:
+    """Text <-> token ids, plus the model's chat template."""
+
+    def __init__(self, tok: HFTokenizer, *, bos_token_id: int | None, eos_token_ids: Sequence[int],
+                 chat_template: str | None, add_bos: bool = False):
+        self.tok = tok
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.chat_template = chat_template
+        self.add_bos = add_bos
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self._template = None
+
+    def token(self, token_id: int) -> str | None:
+        return self.tok.id_to_token(token_id)
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ClientError("this model has no chat template; send a raw prompt", param="messages")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.globals["raise_exception"] = _raise_template_error
+            self._template = env.from_string(self.chat_template)
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.token(self.bos_token_id) if self.bos_token_id is not None else "",
+                eos_token=self.token(min(self.eos_token_ids)) if self.eos_token_ids else "",
+            )
+        except TemplateError as exc:
+            raise ClientError(f"chat template failed: {exc}", param="messages") from None
+
+    # ---- builders ------------------------------------------------------------------
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict) -> Tokenizer:
+        model = meta.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ValueError(f"unsupported GGUF tokenizer model {model!r} (byte-level BPE only)")
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=False))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        pre = meta.get("tokenizer.ggml.pre", "gpt2")
+        if pre in ("smollm", "starcoder", "refact", "default"):
+            # llama.cpp's rule for these: every digit is its own pre-token, then GPT-2's regex.
+            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        elif pre in ("gpt2", "gpt-2"):
+            tok.pre_tokenizer = byte_level
+        elif pre in ("llama3", "llama-bpe", "qwen2"):
+            pattern = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                       r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ])
+        else:
+            raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}")
+        tok.decoder = decoders.ByteLevel()
+        special = [AddedToken(t, special=True, normalized=False)
+                   for t, ty in zip(tokens, types, strict=True) if ty in (CONTROL_TOKEN_TYPE, USER_DEFINED_TOKEN_TYPE)]
+        tok.add_special_tokens(special)
+        eos = {meta.get("tokenizer.ggml.eos_token_id")}
+        eos.add(meta.get("tokenizer.ggml.eot_token_id"))
+        eos.discard(None)
+        return cls(tok, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=sorted(eos),
+                   chat_template=meta.get("tokenizer.chat_template"),
+                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+
+    @classmethod
+    def from_hf_dir(cls, path: Path, model_cfg: dict) -> Tokenizer:
+        tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        tcfg = _read_json(path / "tokenizer_config.json")
+        gcfg = _read_json(path / "generation_config.json")
+        template = tcfg.get("chat_template")
+        if template is None and (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text()
+
+        def token_id(value) -> int | None:
+            if isinstance(value, dict):
+                value = value.get("content")
+            return tok.token_to_id(value) if isinstance(value, str) else None
+
+        eos: set[int] = set()
+        for src in (gcfg.get("eos_token_id"), model_cfg.get("eos_token_id")):
+            eos.update(src if isinstance(src, list) else [src] if src is not None else [])
+        if (t := token_id(tcfg.get("eos_token"))) is not None:
+            eos.add(t)
+        bos = model_cfg.get("bos_token_id")
+        if bos is None:
+            bos = token_id(tcfg.get("bos_token"))
+        return cls(tok, bos_token_id=bos, eos_token_ids=sorted(eos), chat_template=template,
+                   add_bos=bool(tcfg.get("add_bos_token", False)))
+
+
+def _raise_template_error(message: str):
+    raise TemplateError(message)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}

@@ -1,0 +1,1 @@
+"""Built-in plugins. Each registers through the same hooks a third-party package uses."""

@@ -1,0 +1,1 @@
+"""KV-cache managers: they own block ids; the runner owns the tensors."""

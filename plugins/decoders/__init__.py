@@ -1,0 +1,1 @@
+"""Decoder strategies: how a batch becomes new tokens."""

@@ -1,0 +1,1 @@
+"""Schedulers: which sequences run each step, under which token budget."""

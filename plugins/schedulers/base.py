@@ -1,0 +1,73 @@
+"""Queue bookkeeping shared by the built-in schedulers."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from tokenloom.core.errors import RequestTooLong
+from tokenloom.core.sequence import Batch, Sequence, SequenceStatus
+
+
+class QueueScheduler:
+    """A waiting deque and a running list (oldest first), plus finish/abort/preempt."""
+
+    def __init__(self, cache, max_num_seqs: int):
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        if not self.cache.can_ever_fit(seq):
+            raise RequestTooLong(
+                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.params.max_tokens}) needs "
+                f"more KV blocks than the cache has ({self.cache.num_blocks} x {self.cache.block_size} tokens)",
+                param="max_tokens", value=seq.params.max_tokens,
+            )
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.cache.free(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self.cache.free(seq)
+                    seq.status = SequenceStatus.FINISHED_ABORTED
+                    return seq
+        return None
+
+    def preempt(self, seq: Sequence, batch: Batch) -> None:
+        """Recompute preemption: drop the KV, keep the tokens, go back to the queue's front."""
+        self.running.remove(seq)
+        self.cache.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+
+    def _add_to_batch(self, batch: Batch, seq: Sequence, n: int) -> None:
+        batch.seqs.append(seq)
+        batch.num_scheduled_tokens.append(n)
+        batch.block_tables.append(self.cache.block_table(seq))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
