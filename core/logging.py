@@ -1,0 +1,26 @@
+"""structlog set-up: key=value events, JSON when not on a terminal."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+from tokenloom.core import env
+
+
+def configure_logging(level: str = "WARNING", fmt: str | None = None) -> None:
+    level = env.log_level(level)
+    fmt = env.log_format() or fmt or ("console" if sys.stderr.isatty() else "json")
+    renderer = structlog.dev.ConsoleRenderer() if fmt == "console" else structlog.processors.JSONRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )

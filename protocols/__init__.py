@@ -1,0 +1,1 @@
+"""User-facing surfaces: the CLI (and, later, the WebSocket server and its client)."""

@@ -1,0 +1,74 @@
+"""argparse flags shared by every command that builds an engine, and their mapping onto
+config layers (flags sit between the TOML file and Python keyword arguments)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from tokenloom.core.config import merge_layers, parse_override
+
+# flag dest -> dotted config key
+ENGINE_FLAGS = {
+    "model": "model",
+    "dtype": "dtype",
+    "device": "device",
+    "max_model_len": "max_model_len",
+    "block_size": "block_size",
+    "kv_cache_memory_mb": "kv_cache_memory_mb",
+    "num_kv_blocks": "num_kv_blocks",
+    "seed": "seed",
+    "threads": "num_threads",
+    "scheduler": "scheduler.name",
+    "cache_manager": "cache_manager.name",
+    "decoder": "decoder.name",
+    "backend": "backend.name",
+    "quantizer": "quantizer.name",
+    "max_num_seqs": "scheduler.max_num_seqs",
+    "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
+    "chunked_prefill": "scheduler.enable_chunked_prefill",
+}
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine (flags override --config; see `tokenloom config`)")
+    g.add_argument("--config", metavar="FILE", help="TOML config file")
+    g.add_argument("--model", "-m", help="smollm2-135m (default), a .gguf file or a Hugging Face directory")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--block-size", type=int)
+    g.add_argument("--kv-cache-memory-mb", type=int)
+    g.add_argument("--num-kv-blocks", type=int, help="fix the KV pool size (overrides the memory budget)")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--threads", type=int, help="torch intra-op threads")
+    g.add_argument("--scheduler", help="continuous, static, ...")
+    g.add_argument("--cache-manager", help="paged, contiguous, ...")
+    g.add_argument("--decoder", help="standard, ...")
+    g.add_argument("--backend", help="torch, ...")
+    g.add_argument("--quantizer")
+    g.add_argument("--max-num-seqs", type=int)
+    g.add_argument("--max-num-batched-tokens", type=int)
+    g.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any config key, e.g. --set scheduler.max_num_seqs=8 (TOML value)")
+
+
+def flags_layer(args: argparse.Namespace) -> dict[str, Any]:
+    layers = []
+    for dest, key in ENGINE_FLAGS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            layers.append(_nested(key, value))
+    layers += [parse_override(item) for item in args.set]
+    return merge_layers(*layers)
+
+
+def _nested(key: str, value: Any) -> dict[str, Any]:
+    parts = key.split(".")
+    out: dict[str, Any] = {}
+    node = out
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return out

@@ -1,0 +1,97 @@
+"""Shared fixtures: a tiny random-weight LLaMA saved as a Hugging Face directory, with a
+byte-level tokenizer (one token per byte, so UTF-8 splitting is exercised for real)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+# Tests never auto-load installed plugins; the plugin test turns it on explicitly.
+os.environ.setdefault("TOKENLOOM_DISABLE_PLUGIN_AUTOLOAD", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(2)
+
+TINY_VOCAB = 260  # 256 byte tokens + 4 specials
+EOS_ID = 256
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _byte_tokenizer():
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in
+                            ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>")])
+    return tok
+
+
+def make_tiny_llama(path, *, seed: int = 0, num_layers: int = 2, tie: bool = False):
+    """Save a random LlamaForCausalLM (HF transformers) plus tokenizer files to ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-5,
+                      tie_word_embeddings=tie, bos_token_id=257, eos_token_id=EOS_ID)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # larger logits than the default init, so greedy ties are rare
+        model.lm_head.weight.mul_(8.0) if not tie else None
+    model.save_pretrained(path, safe_serialization=True)
+    _byte_tokenizer().save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHAT_TEMPLATE, "eos_token": "<|endoftext|>", "bos_token": "<|im_start|>"}))
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_llama(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tiny_model_dir):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+
+
+def tiny_engine_kwargs(model_dir, **overrides):
+    kwargs = {"model": str(model_dir), "dtype": "float32", "device": "cpu", "num_kv_blocks": 256,
+              "block_size": 16}
+    kwargs.update(overrides)
+    return kwargs
+
+
+@pytest.fixture
+def make_llm(tiny_model_dir):
+    from tokenloom import LLM
+
+    made = []
+
+    def factory(**overrides):
+        llm = LLM(**tiny_engine_kwargs(tiny_model_dir, **overrides))
+        made.append(llm)
+        return llm
+
+    yield factory
+    for llm in made:
+        llm.close()
+
+
+def pytest_configure(config):
+    from tokenloom.core.logging import configure_logging
+
+    configure_logging("WARNING", "console")
