@@ -67,7 +67,7 @@ class Tokenizer:
             raise ValueError(f"unsupported GGUF tokenizer model {model!r} (byte-level BPE only)")
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
         types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
         vocab = {t: i for i, t in enumerate(tokens)}
         tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=False))
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

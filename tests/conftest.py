@@ -42,7 +42,7 @@ def make_tiny_llama(path, *, seed: int = 0, num_layers: int = 2, tie: bool = Fal
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
                       num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-5,
+                      max_position_embeddings=1024, rope_theta=50000.0, rms_norm_eps=1e-5,
                       tie_word_embeddings=tie, bos_token_id=257, eos_token_id=EOS_ID)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # larger logits than the default init, so greedy ties are rare

@@ -45,9 +45,10 @@ class ModelConfig:
             "MistralForCausalLM",
         ):
             raise ValueError(f"unsupported architecture {archs[0]!r} (LLaMA-style models only)")
-        scaling = cfg.get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise ValueError(f"unsupported rope_scaling {scaling!r}")
+        for key in ("rope_scaling", "rope_parameters"):
+            scaling = cfg.get(key)
+            if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+                raise ValueError(f"unsupported {key} {scaling!r} (plain RoPE only)")
         heads = cfg["num_attention_heads"]
         return cls(
             vocab_size=cfg["vocab_size"],
