@@ -1,9 +1,10 @@
 """The `torch` backend: the reference every other backend is tested against.
 
-Attention reads K/V from the paged pool through block tables: decode rows are gathered
-into one padded [batch, max_context] view and done in one grouped matmul; each prefill
-(chunk) is one scaled_dot_product_attention call, straight on the new K/V when nothing
-is cached, otherwise over the gathered context with a causal mask offset by the context.
+Attention reads K/V from the paged pool through block tables: the decode rows' blocks are
+gathered into one padded [kv_heads * batch, max_context] view and done in two batched
+matmuls; each prefill (chunk) is one scaled_dot_product_attention call, straight on the
+new K/V when nothing is cached, otherwise over the gathered context with a causal mask
+offset by the cached length.
 """
 
 from __future__ import annotations
@@ -24,88 +25,96 @@ class TorchBackendOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
 @dataclass(slots=True)
 class TorchAttnMeta:
     slot_mapping: torch.Tensor
-    decode_rows: torch.Tensor | None  # [B] rows of q
-    decode_slots: torch.Tensor | None  # [B, L] flat slots (padded with 0)
-    decode_bias: torch.Tensor | None  # [B, 1, 1, L] 0 / -inf
-    prefills: list  # (q_start, q_end, slots [ctx] or None, mask [q, ctx] or None)
-
-
-def _slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    pos = torch.arange(length, device=block_table.device)
-    return block_table[..., pos // block_size] * block_size + pos % block_size
+    decode_rows: torch.Tensor | None  # [B] rows of q that decode one token
+    decode_blocks: torch.Tensor | None  # [B * max_blocks] block ids, padded with block 0
+    decode_bias: torch.Tensor | None  # [B, 1, max_blocks * block_size] 0 where valid, -inf past the context
+    prefills: list  # (q_start, q_end, blocks [n] or None, context_len, mask [q, ctx] or None)
 
 
 class TorchBackend:
+    """KV layout per layer: ``[kv_heads, num_blocks, block_size, head_dim]``. Head-major
+    means gathering a batch's blocks along dim 1 yields ``[kv_heads * B, len, head_dim]``
+    directly, which is what a batched matmul wants: no strided copy per layer."""
+
     name = "torch"
 
     def __init__(self, options: TorchBackendOptions | None = None, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
 
+    def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                          head_dim: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # Zeroed, not empty: padded decode rows read (and mask) unwritten slots, and
+        # 0 * NaN from uninitialised memory would poison the probability-weighted sum.
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        return [(torch.zeros(shape, dtype=dtype, device=self.device),
+                 torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(num_layers)]
+
     # ---- per-step metadata ------------------------------------------------------
     def prepare(self, inp: AttentionInputs) -> TorchAttnMeta:
         dev, bs = self.device, inp.block_size
-        decode_rows = decode_slots = decode_bias = None
+        decode_rows = decode_blocks = decode_bias = None
         if inp.decode_rows:
-            max_len = max(inp.decode_context_lens)
-            max_blocks = (max_len + bs - 1) // bs
-            table = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks]))
-                                  for t in inp.decode_block_tables], dtype=torch.long, device=dev)
-            decode_slots = _slots(table, max_len, bs)
+            max_blocks = (max(inp.decode_context_lens) + bs - 1) // bs
+            table = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in inp.decode_block_tables]
+            decode_blocks = torch.tensor(table, dtype=torch.long, device=dev).view(-1)
             lens = torch.tensor(inp.decode_context_lens, device=dev)
-            valid = torch.arange(max_len, device=dev)[None, :] < lens[:, None]
+            valid = torch.arange(max_blocks * bs, device=dev)[None, :] < lens[:, None]
             decode_bias = torch.zeros(valid.shape, dtype=torch.float32, device=dev)
             decode_bias.masked_fill_(~valid, float("-inf"))
-            decode_bias = decode_bias[:, None, None, :]
+            decode_bias = decode_bias[:, None, :]
             decode_rows = torch.tensor(inp.decode_rows, dtype=torch.long, device=dev)
         prefills = []
         for span in inp.prefills:
             if span.q_len == span.context_len:  # nothing cached: attend to the new K/V directly
-                prefills.append((span.q_start, span.q_end, None, None))
+                prefills.append((span.q_start, span.q_end, None, span.context_len, None))
                 continue
-            table = torch.tensor(span.block_table, dtype=torch.long, device=dev)
-            slots = _slots(table, span.context_len, bs)
+            num_blocks = (span.context_len + bs - 1) // bs
+            blocks = torch.tensor(span.block_table[:num_blocks], dtype=torch.long, device=dev)
             offset = span.context_len - span.q_len
             i = torch.arange(span.q_len, device=dev)[:, None]
             j = torch.arange(span.context_len, device=dev)[None, :]
-            prefills.append((span.q_start, span.q_end, slots, j <= i + offset))
-        return TorchAttnMeta(inp.slot_mapping, decode_rows, decode_slots, decode_bias, prefills)
+            prefills.append((span.q_start, span.q_end, blocks, span.context_len, j <= i + offset))
+        return TorchAttnMeta(inp.slot_mapping, decode_rows, decode_blocks, decode_bias, prefills)
 
     # ---- ops --------------------------------------------------------------------
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
-        # k_cache: [num_blocks, block_size, kv_heads, head_dim]; k: [T, kv_heads, head_dim]
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+        # k_cache: [kv_heads, num_blocks, block_size, head_dim]; k: [T, kv_heads, head_dim]
+        kv_heads, _, _, head_dim = k_cache.shape
+        k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
+        v_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
     def attention(self, q, k, v, k_cache, v_cache, meta: TorchAttnMeta, scale: float):
         """q: [T, H, D]; k, v: [T, KVH, D] (this step's); returns [T, H, D]."""
         out = torch.empty_like(q)
-        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        flat_k = k_cache.view(-1, kv_heads, head_dim)
-        flat_v = v_cache.view(-1, kv_heads, head_dim)
+        kv_heads, _, block_size, head_dim = k_cache.shape
         if meta.decode_rows is not None:
-            out[meta.decode_rows] = self._decode(q[meta.decode_rows], flat_k, flat_v, meta, scale)
-        for q_start, q_end, slots, mask in meta.prefills:
+            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta, scale)
+        for q_start, q_end, blocks, context_len, mask in meta.prefills:
             qs = q[q_start:q_end].transpose(0, 1)  # [H, q, D]
-            if slots is None:
+            if blocks is None:
                 ks, vs = k[q_start:q_end].transpose(0, 1), v[q_start:q_end].transpose(0, 1)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                ks, vs = flat_k[slots].transpose(0, 1), flat_v[slots].transpose(0, 1)
+                ks = k_cache.index_select(1, blocks).view(kv_heads, -1, head_dim)[:, :context_len]
+                vs = v_cache.index_select(1, blocks).view(kv_heads, -1, head_dim)[:, :context_len]
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
             out[q_start:q_end] = o.transpose(0, 1)
         return out
 
     @staticmethod
-    def _decode(q, flat_k, flat_v, meta: TorchAttnMeta, scale: float):
-        # q: [B, H, D] -> [B, KVH, G, D]; keys gathered to [B, KVH, D, L]
+    def _decode(q, k_cache, v_cache, meta: TorchAttnMeta, scale: float):
+        # q: [B, H, D] -> [KVH * B, G, D]; keys gathered to [KVH * B, L, D]
         B, H, D = q.shape
-        kv_heads = flat_k.shape[1]
-        qg = q.view(B, kv_heads, H // kv_heads, D)
-        keys = flat_k[meta.decode_slots].permute(0, 2, 3, 1)
-        values = flat_v[meta.decode_slots].permute(0, 2, 1, 3)  # [B, KVH, L, D]
-        scores = torch.matmul(qg, keys).float() * scale + meta.decode_bias
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        return torch.matmul(probs, values).reshape(B, H, D)
+        kv_heads = k_cache.shape[0]
+        group = H // kv_heads
+        keys = k_cache.index_select(1, meta.decode_blocks).view(kv_heads * B, -1, D)
+        values = v_cache.index_select(1, meta.decode_blocks).view(kv_heads * B, -1, D)
+        qg = q.view(B, kv_heads, group, D).transpose(0, 1).reshape(kv_heads * B, group, D)
+        scores = torch.bmm(qg, keys.transpose(1, 2)).float() * scale
+        scores = scores.view(kv_heads, B, group, -1) + meta.decode_bias
+        probs = torch.softmax(scores, dim=-1).to(values.dtype).view(kv_heads * B, group, -1)
+        out = torch.bmm(probs, values)  # [KVH * B, G, D]
+        return out.view(kv_heads, B, group, D).transpose(0, 1).reshape(B, H, D)
 
     def rms_norm(self, x, weight, eps: float):
         xf = x.float()

@@ -10,7 +10,7 @@ import torch
 from tokenloom.core.config import EngineConfig, build_config, load_toml
 from tokenloom.core.loader.resolve import resolve_model_path
 from tokenloom.core.plugins import PluginManager
-from tokenloom.core.runner import DTYPES, ModelRunner, load_checkpoint, pick_device
+from tokenloom.core.runner import ModelRunner, load_checkpoint, pick_device, pick_dtype
 
 log = structlog.get_logger("tokenloom.build")
 
@@ -39,7 +39,7 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager, progress=None) -
     if e.num_threads:
         torch.set_num_threads(e.num_threads)
     device = pick_device(e.device)
-    dtype = DTYPES[e.dtype]
+    dtype = pick_dtype(e.dtype, device)
     backend_entry = pm.get("backend", config.backend.name)
     path = resolve_model_path(e.model)
     formats = {name: entry.factory for name, entry in pm.entries("model_format").items()}
@@ -58,7 +58,7 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager, progress=None) -
         config.cache_manager.options, num_blocks, e.block_size)
     scheduler = pm.get("scheduler", config.scheduler.name).factory(config.scheduler.options, cache, config)
     decoder = pm.get("decoder", config.decoder.name).factory(config.decoder.options, runner)
-    log.info("engine_built", model=name, format=ckpt.format, device=str(device), dtype=e.dtype,
+    log.info("engine_built", model=name, format=ckpt.format, device=str(device), dtype=str(dtype),
              num_kv_blocks=num_blocks, block_size=e.block_size, max_model_len=max_model_len,
              **{role: strategy for role, strategy in config.selection().items()})
     return EngineParts(tokenizer, mcfg, name, max_model_len, runner, cache, scheduler, decoder)

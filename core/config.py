@@ -40,7 +40,7 @@ class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Top-level keys (not tied to one strategy)."""
 
     model: str = DEFAULT_MODEL
-    dtype: str = "bfloat16"  # float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bf16 where native, else fp32)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_model_len: int = 0  # 0 = the model's own context length
     block_size: int = 16  # tokens per KV block, shared by every cache manager
@@ -160,8 +160,8 @@ def _convert_options(role: str, name: str, options_type: type | None, table: dic
 
 
 def _check_engine(e: EngineOptions) -> None:
-    if e.dtype not in ("float32", "bfloat16", "float16"):
-        raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {e.dtype!r}")
+    if e.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {e.dtype!r}")
     if e.block_size < 1 or e.block_size & (e.block_size - 1):
         raise ConfigError(f"block_size must be a power of two, got {e.block_size}")
     for key in ("max_model_len", "kv_cache_memory_mb", "num_kv_blocks", "seed", "num_threads"):

@@ -99,6 +99,10 @@ class Backend(Protocol):
 
     name: str
 
+    def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                          head_dim: int, dtype) -> list:
+        """One (k, v) pair of tensors per layer; their layout is the backend's business."""
+
     def prepare(self, meta: Any) -> Any:
         """Build per-step attention metadata once, before the layers run."""
 

@@ -14,6 +14,19 @@ from tokenloom.core.sequence import Batch, Sequence
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 where the hardware computes it natively (CUDA, or a CPU with
+    AVX512-BF16/AMX), else float32 -- on an AVX2-only CPU bf16 matmuls are emulated and
+    2-4x slower than fp32 at batch sizes above one."""
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16
+    native = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)() or \
+        getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return torch.bfloat16 if native else torch.float32
+
+
 def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -30,11 +43,8 @@ class ModelRunner:
         self.model.load_weights(checkpoint.weights)
         self.model.to(device)
         checkpoint.weights.clear()  # let the dequantised copies go
-        shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
-        # Zeroed, not empty: padded decode rows read (and mask) unwritten slots, and
-        # 0 * NaN from uninitialised memory would poison the softmax-weighted sum.
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device)) for _ in range(self.cfg.num_layers)]
+        self.kv_caches = backend.allocate_kv_cache(self.cfg.num_layers, num_blocks, block_size,
+                                                   self.cfg.num_kv_heads, self.cfg.head_dim, dtype)
         self.sampler = Sampler(seed, device)
 
     @staticmethod

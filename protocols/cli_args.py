@@ -34,7 +34,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine (flags override --config; see `tokenloom config`)")
     g.add_argument("--config", metavar="FILE", help="TOML config file")
     g.add_argument("--model", "-m", help="smollm2-135m (default), a .gguf file or a Hugging Face directory")
-    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--block-size", type=int)
