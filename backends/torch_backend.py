@@ -120,7 +120,20 @@ class TorchBackend:
         xf = x.float()
         return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight
 
+    @staticmethod
+    def _transposed(weight) -> bool:
+        # MKL's fp32 GEMM/GEMV on CPU is 1.1-1.7x faster with the weight stored [in, out]
+        # (measured on an AVX2 EPYC); for bf16 that layout is 15x slower, so only fp32 moves.
+        return weight.dtype == torch.float32 and weight.device.type == "cpu"
+
+    def pack_linear(self, weight):
+        """Called once per weight at load time; returns what ``linear`` will be given."""
+        return weight.t().contiguous() if self._transposed(weight) else weight
+
     def linear(self, x, weight, bias=None):
+        if self._transposed(weight):
+            out = torch.mm(x, weight) if x.dim() == 2 else x @ weight
+            return out + bias if bias is not None else out
         return F.linear(x, weight, bias)
 
     def silu_mul(self, gate, up):

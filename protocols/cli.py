@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="print the effective strategy combination and options")
     add_engine_args(c)
     c.set_defaults(func=cmd_config)
+
+    from tokenloom.protocols.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

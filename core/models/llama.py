@@ -120,3 +120,18 @@ class LlamaModel(nn.Module):
         leftovers = [n for n in remaining if "rotary_emb" not in n]
         if leftovers:
             raise ValueError(f"checkpoint has tensors this model does not use: {leftovers[:5]}")
+        self._pack_linears()
+
+    def _pack_linears(self) -> None:
+        """Let the backend lay out each matmul weight its way (once, at load time)."""
+        pack = getattr(self.backend, "pack_linear", None)
+        if pack is None:
+            return
+        for layer in self.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                param = getattr(layer, name)
+                param.data = pack(param.data)
+        packed_head = pack(self.lm_head.data)
+        if packed_head.data_ptr() != self.lm_head.data_ptr():
+            # A tied head gets its own copy in the backend's layout; the embedding keeps rows.
+            self.lm_head = nn.Parameter(packed_head, requires_grad=False)

@@ -1,0 +1,1 @@
+"""`tokenloom bench`: offline strategy comparisons, batch decode speed vs the memory floor."""

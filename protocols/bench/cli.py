@@ -1,0 +1,59 @@
+"""argparse wiring for `tokenloom bench ...`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_bench_parser(sub) -> None:
+    from tokenloom.protocols.cli_args import add_engine_args
+
+    bench = sub.add_parser("bench", help="benchmarks: offline combinations, decode speed")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+
+    off = bsub.add_parser("offline", help="one seeded workload through several strategy combinations")
+    off.add_argument("--combo", action="append", help="e.g. continuous+paged, static+contiguous, or a .toml")
+    off.add_argument("--num-requests", type=int, default=64)
+    off.add_argument("--prompt-len", default="32-512", help="uniform range, tokens")
+    off.add_argument("--output-len", default="32-256", help="uniform range, tokens (ignore_eos)")
+    off.add_argument("--workload-seed", type=int, default=0)
+    off.add_argument("--json", metavar="FILE")
+    off.add_argument("--plot", metavar="FILE.png")
+    add_engine_args(off)
+    off.set_defaults(func=cmd_offline)
+
+    dec = bsub.add_parser("decode", help="decode tok/s at fixed batch sizes vs the bandwidth floor")
+    dec.add_argument("--batch-sizes", default="1,32")
+    dec.add_argument("--prompt-len", type=int, default=32)
+    dec.add_argument("--gen", type=int, default=128, help="tokens generated per sequence")
+    dec.add_argument("--json", metavar="FILE")
+    add_engine_args(dec)
+    dec.set_defaults(func=cmd_decode)
+
+
+def cmd_offline(args: argparse.Namespace) -> int:
+    from tokenloom.core.plugins import PluginManager
+    from tokenloom.protocols.bench.offline import format_table, run_offline, write_json
+    from tokenloom.protocols.cli_args import flags_layer
+
+    report = run_offline(args, flags_layer(args), PluginManager())
+    print(format_table(report))
+    write_json(report, args.json)
+    if args.plot:
+        from tokenloom.protocols.bench.plot import plot_offline
+
+        plot_offline(report, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0 if all(r["failed"] == 0 for r in report["results"]) else 1
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    from tokenloom.core.plugins import PluginManager
+    from tokenloom.protocols.bench.decode import format_decode, run_decode
+    from tokenloom.protocols.bench.offline import write_json
+    from tokenloom.protocols.cli_args import flags_layer
+
+    report = run_decode(args, flags_layer(args), PluginManager())
+    print(format_decode(report))
+    write_json(report, args.json)
+    return 0
