@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tokenloom import SamplingParams
 
 
-def test_prefill_logits_match_transformers(make_llm, tiny_hf_model):
-    llm = make_llm()
+@pytest.mark.parametrize("cpu_linear", ["dual", "mkl", "onednn"])
+def test_prefill_logits_match_transformers(make_llm, tiny_hf_model, cpu_linear):
+    llm = make_llm(backend={"name": "torch", "cpu_linear": cpu_linear})
     ids = list(range(3, 60, 2)) + [200, 17, 5]
     ours = llm.engine.runner.prefill_logits(ids, block_table=[0, 1, 2])
     with torch.no_grad():
@@ -25,3 +27,12 @@ def test_greedy_continuation_matches_transformers(make_llm, tiny_hf_model):
             ref = tiny_hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
                                          eos_token_id=None, pad_token_id=0)
         assert out.token_ids == ref[0, len(prompt):].tolist()
+
+
+def test_bfloat16_weights_stay_close(make_llm, tiny_hf_model):
+    llm = make_llm(dtype="bfloat16")
+    ids = [7, 8, 9, 10, 200, 3]
+    ours = llm.engine.runner.prefill_logits(ids, block_table=[0])
+    with torch.no_grad():
+        theirs = tiny_hf_model(torch.tensor([ids])).logits[0]
+    assert (ours - theirs).abs().max() / theirs.abs().max() < 0.05

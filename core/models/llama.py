@@ -32,7 +32,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class LlamaLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.dtype = cfg, dtype
         d, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
         self.input_norm = nn.Parameter(torch.ones(d), requires_grad=False)
         self.post_norm = nn.Parameter(torch.ones(d), requires_grad=False)
@@ -42,7 +42,7 @@ class LlamaLayer(nn.Module):
         self.down = nn.Parameter(torch.empty(d, cfg.intermediate_size, dtype=dtype), requires_grad=False)
 
     def forward(self, h, cos, sin, k_cache, v_cache, meta, backend):
-        cfg, dtype = self.cfg, self.qkv.dtype
+        cfg, dtype = self.cfg, self.dtype
         T = h.shape[0]
         x = backend.rms_norm(h, self.input_norm, cfg.rms_norm_eps).to(dtype)
         qkv = backend.linear(x, self.qkv).float()
@@ -123,15 +123,31 @@ class LlamaModel(nn.Module):
         self._pack_linears()
 
     def _pack_linears(self) -> None:
-        """Let the backend lay out each matmul weight its way (once, at load time)."""
+        """Let the backend lay out each matmul weight its way (once, at load time).
+        A packed weight may not be a tensor, so it lives as a plain attribute."""
         pack = getattr(self.backend, "pack_linear", None)
         if pack is None:
             return
         for layer in self.layers:
             for name in ("qkv", "o", "gate_up", "down"):
-                param = getattr(layer, name)
-                param.data = pack(param.data)
+                packed = pack(getattr(layer, name).data)
+                delattr(layer, name)
+                setattr(layer, name, packed)
+        # A tied head packed into another layout becomes a second copy; the embedding keeps rows.
         packed_head = pack(self.lm_head.data)
-        if packed_head.data_ptr() != self.lm_head.data_ptr():
-            # A tied head gets its own copy in the backend's layout; the embedding keeps rows.
-            self.lm_head = nn.Parameter(packed_head, requires_grad=False)
+        del self.lm_head
+        self.lm_head = packed_head
+
+    def weight_bytes_per_token(self) -> int:
+        """Bytes a batch-1 decode step must read: each matmul weight and norm once (one
+        layout), plus the output head; the embedding lookup reads a single row."""
+        def size(w) -> int:
+            if isinstance(w, torch.Tensor):
+                return w.numel() * w.element_size()
+            return w.nbytes()
+
+        total = size(self.lm_head) + self.norm.numel() * 4
+        for layer in self.layers:
+            total += sum(size(getattr(layer, n)) for n in ("qkv", "o", "gate_up", "down"))
+            total += (layer.input_norm.numel() + layer.post_norm.numel()) * 4
+        return total

@@ -24,20 +24,6 @@ def read_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     return num_bytes / best / 1e9
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a decode step must read: every matmul weight and norm once. The embedding
-    table counts only when it doubles as the output head (a lookup reads one row)."""
-    embed = getattr(model, "embed", None)
-    head = getattr(model, "lm_head", None)
-    seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) in seen or (p is embed and head is not embed):
-            continue
-        seen.add(id(p))
-        total += p.numel() * p.element_size()
-    return total
-
-
 def run_decode(args, flags: dict, pm: PluginManager) -> dict:
     from tokenloom import LLM
 
@@ -56,7 +42,7 @@ def run_decode(args, flags: dict, pm: PluginManager) -> dict:
                             "ms_per_step": 1e3 * b / res["decode_tok_s"] if res["decode_tok_s"] else None,
                             "output_tok_s": res["output_tok_s"]})
             print(f"  batch {b}: {res['decode_tok_s']:.1f} tok/s decode", flush=True)
-        wbytes = weight_bytes(llm.engine.runner.model)
+        wbytes = llm.engine.runner.model.weight_bytes_per_token()
         dtype = str(llm.engine.runner.dtype).replace("torch.", "")
     finally:
         llm.close()
