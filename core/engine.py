@@ -121,6 +121,11 @@ class AsyncEngine:
                        messages: list[dict] | None = None,
                        request_id: str | None = None) -> AsyncIterator[TokenDelta | Finished]:
         req = self.submit(prompt, params, messages=messages, request_id=request_id)
+        async for item in self.stream(req):
+            yield item
+
+    async def stream(self, req: _Request) -> AsyncIterator[TokenDelta | Finished]:
+        """Iterate a submitted request's deltas and its final result. Leaving early aborts it."""
         try:
             while True:
                 item = await req.queue.get()

@@ -36,3 +36,10 @@ def log_level(default: str) -> str:
 def num_threads() -> int | None:
     raw = os.environ.get(NUM_THREADS)
     return int(raw) if raw else None
+
+#: API key the WebSocket server requires (Authorization: Bearer KEY); never logged.
+API_KEY = "TOKENLOOM_API_KEY"
+
+
+def api_key() -> str | None:
+    return os.environ.get(API_KEY) or None

@@ -59,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_config)
 
     from tokenloom.protocols.bench.cli import add_bench_parser
+    from tokenloom.protocols.serve_cli import add_serve_parsers
 
+    add_serve_parsers(sub)
     add_bench_parser(sub)
     return parser
 

@@ -1,0 +1,169 @@
+"""The WebSocket wire protocol: JSON text frames, msgspec tagged unions on ``type``.
+
+Version 1. Client -> server: ``generate``, ``cancel``, ``ping``. Server -> client:
+``session`` (on connect), ``accepted``, ``delta``, ``done``, ``error``, ``pong``.
+Invariants: every accepted request ends in exactly one ``done``; the concatenated
+``delta`` texts equal the final text; a request-level error never closes the connection.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from tokenloom.core.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 1
+MAX_ID_LEN = 128
+MAX_MESSAGES = 256
+MAX_PROMPT_CHARS = 1 << 20  # 1 MiB of text; the frame limit caps it anyway
+MAX_TOKEN_ID = 2**31 - 1
+
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
+
+
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    role: Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
+    content: Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)]
+
+
+# ---- client -> server --------------------------------------------------------------
+class Generate(msgspec.Struct, tag="generate", frozen=True, kw_only=True, forbid_unknown_fields=True):
+    id: RequestId
+    prompt: Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)] | None = None
+    prompt_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=1 << 17)] | None = None
+    messages: Annotated[list[ChatMessage], msgspec.Meta(max_length=MAX_MESSAGES)] | None = None
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+
+
+class Cancel(msgspec.Struct, tag="cancel", frozen=True, kw_only=True, forbid_unknown_fields=True):
+    id: RequestId
+
+
+class Ping(msgspec.Struct, tag="ping", frozen=True, kw_only=True, forbid_unknown_fields=True):
+    data: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+
+
+ClientMessage = Generate | Cancel | Ping
+
+
+# ---- server -> client --------------------------------------------------------------
+class Limits(msgspec.Struct, frozen=True, kw_only=True):
+    max_model_len: int
+    max_frame_bytes: int
+    max_queue: int
+    max_tokens_default: int
+
+
+class Session(msgspec.Struct, tag="session", frozen=True, kw_only=True):
+    protocol: int
+    model: str
+    limits: Limits
+    strategies: dict[str, Any]
+
+
+class Accepted(msgspec.Struct, tag="accepted", frozen=True, kw_only=True):
+    id: str
+
+
+class LogprobOut(msgspec.Struct, frozen=True, kw_only=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = msgspec.field(default_factory=list)
+
+
+class Delta(msgspec.Struct, tag="delta", frozen=True, kw_only=True):
+    id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[LogprobOut] | None = None
+
+
+class UsageOut(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+class MetricsOut(msgspec.Struct, frozen=True, kw_only=True):
+    ttft_ms: float | None
+    tpot_ms: float | None
+    e2e_ms: float
+
+
+class Done(msgspec.Struct, tag="done", frozen=True, kw_only=True):
+    id: str
+    finish_reason: str  # stop | length | cancelled | aborted | error
+    usage: UsageOut
+    metrics: MetricsOut
+    error: str | None = None
+
+
+class Error(msgspec.Struct, tag="error", frozen=True, kw_only=True):
+    code: str
+    message: str
+    id: str | None = None
+    param: str | None = None
+    retry_after_ms: int | None = None
+
+
+class Pong(msgspec.Struct, tag="pong", frozen=True, kw_only=True):
+    data: str | None = None
+
+
+ServerMessage = Session | Accepted | Delta | Done | Error | Pong
+
+_decoder = msgspec.json.Decoder(ClientMessage)
+_server_decoder = msgspec.json.Decoder(ServerMessage)
+_encoder = msgspec.json.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> str:
+    return _encoder.encode(msg).decode()
+
+
+def decode_server(data: str | bytes) -> ServerMessage:
+    return _server_decoder.decode(data)
+
+
+def decode_client(data: str | bytes) -> ClientMessage | Error:
+    """Never raises: a bad frame becomes an :class:`Error` with a stable code and, where
+    msgspec can tell, the offending parameter. No stack trace or path leaks out."""
+    try:
+        msg = _decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        code = "unknown_type" if "Invalid value" in text and "$.type" in text else "invalid_message"
+        return Error(code=code, message=_clean(text), param=_param_of(text), id=_id_of(data))
+    except msgspec.DecodeError as exc:
+        return Error(code="invalid_json", message=_clean(str(exc)))
+    if isinstance(msg, Generate):
+        given = sum(x is not None for x in (msg.prompt, msg.prompt_token_ids, msg.messages))
+        if given != 1:
+            return Error(code="invalid_request", id=msg.id, param="prompt",
+                         message="give exactly one of prompt, prompt_token_ids or messages")
+    return msg
+
+
+def _clean(text: str) -> str:
+    return text.splitlines()[0][:300] if text else "invalid message"
+
+
+def _param_of(text: str) -> str | None:
+    if "`$." in text:
+        path = text.split("`$.", 1)[1].split("`", 1)[0]
+        parts = [p.split("[", 1)[0] for p in path.split(".")]
+        return parts[-1] if parts[0] == "params" else parts[0]
+    if "field `" in text:
+        return text.split("field `", 1)[1].split("`", 1)[0]
+    return None
+
+
+def _id_of(data: str | bytes) -> str | None:
+    try:
+        raw = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return None
+    rid = raw.get("id") if isinstance(raw, dict) else None
+    return rid if isinstance(rid, str) and 0 < len(rid) <= MAX_ID_LEN else None

@@ -1,0 +1,65 @@
+"""A per-connection outbound queue that coalesces deltas instead of dropping them.
+
+A client that reads slowly makes deltas pile up; rather than growing a list of frames,
+each request keeps at most one pending ``delta`` (later text and token ids are appended
+to it), so memory grows with the text generated, not the number of steps, and nothing
+is ever lost. Control messages (accepted, done, error, pong) keep their order relative
+to a request's delta: a pending delta is flushed before that request's ``done``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict, deque
+
+from tokenloom.protocols.messages import Delta, LogprobOut
+
+
+class OutboundQueue:
+    def __init__(self) -> None:
+        self._items: deque = deque()  # ("msg", message) or ("delta", request_id)
+        self._deltas: OrderedDict[str, dict] = OrderedDict()
+        self._ready = asyncio.Event()
+        self.closed = False
+        self.coalesced = 0  # deltas merged into an earlier pending one
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, msg) -> None:
+        if self.closed:
+            return
+        self._items.append(("msg", msg))
+        self._ready.set()
+
+    def put_delta(self, rid: str, text: str, token_ids: list[int], logprobs: list[LogprobOut] | None) -> None:
+        if self.closed:
+            return
+        pending = self._deltas.get(rid)
+        if pending is None:
+            self._deltas[rid] = {"text": [text], "token_ids": list(token_ids),
+                                 "logprobs": list(logprobs) if logprobs is not None else None}
+            self._items.append(("delta", rid))
+            self._ready.set()
+            return
+        self.coalesced += 1
+        pending["text"].append(text)
+        pending["token_ids"].extend(token_ids)
+        if logprobs is not None:
+            pending["logprobs"] = (pending["logprobs"] or []) + list(logprobs)
+
+    async def get(self):
+        while not self._items:
+            if self.closed:
+                return None
+            self._ready.clear()
+            await self._ready.wait()
+        kind, value = self._items.popleft()
+        if kind == "msg":
+            return value
+        d = self._deltas.pop(value)
+        return Delta(id=value, text="".join(d["text"]), token_ids=d["token_ids"], logprobs=d["logprobs"])
+
+    def close(self) -> None:
+        self.closed = True
+        self._ready.set()

@@ -1,0 +1,110 @@
+"""`tokenloom serve` and `tokenloom chat`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+
+def add_serve_parsers(sub) -> None:
+    from tokenloom.protocols.cli_args import add_engine_args
+
+    s = sub.add_parser("serve", help="start the WebSocket token-streaming server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8765)
+    s.add_argument("--api-key-file", help="file holding the API key (else $TOKENLOOM_API_KEY)")
+    s.add_argument("--allow-origin", action="append", default=None, help="browser Origin to accept (repeatable)")
+    s.add_argument("--max-connections", type=int, default=64)
+    s.add_argument("--max-queue", type=int, default=256, help="unfinished requests before `overloaded`")
+    s.add_argument("--send-timeout", type=float, default=10.0, help="seconds a blocked send may take")
+    s.add_argument("--shutdown-deadline", type=float, default=30.0)
+    add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
+
+    c = sub.add_parser("chat", help="interactive chat against a running server")
+    c.add_argument("--url", default="ws://127.0.0.1:8765")
+    c.add_argument("--api-key-file")
+    c.add_argument("--system", help="system prompt")
+    c.add_argument("--temperature", type=float, default=0.7)
+    c.add_argument("--max-tokens", type=int, default=512)
+    c.set_defaults(func=cmd_chat)
+
+
+def _api_key(path: str | None) -> str | None:
+    from tokenloom.core import env
+
+    if path:
+        return Path(path).read_text().strip() or None
+    return env.api_key()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tokenloom.core.engine import AsyncEngine
+    from tokenloom.core.logging import configure_logging
+    from tokenloom.protocols.cli import _progress_bar
+    from tokenloom.protocols.cli_args import flags_layer
+    from tokenloom.protocols.server import ServerOptions, TokenServer
+
+    configure_logging("INFO")
+    engine = AsyncEngine.from_options(args.config, flags_layer(args), progress=_progress_bar("loading model"))
+    options = ServerOptions(host=args.host, port=args.port, api_key=_api_key(args.api_key_file),
+                            allowed_origins=args.allow_origin, max_connections=args.max_connections,
+                            max_queue=args.max_queue, send_timeout_s=args.send_timeout,
+                            shutdown_deadline_s=args.shutdown_deadline)
+
+    async def main() -> None:
+        server = TokenServer(engine, options)
+        await server.start()
+        print(f"serving {engine.model_name} on ws://{args.host}:{server.port}  "
+              f"(try: tokenloom chat --url ws://{args.host}:{server.port})", file=sys.stderr, flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.shutdown()
+        await engine.shutdown()
+
+    asyncio.run(main())
+    engine.close()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from tokenloom.protocols.client import Client, RequestError
+    from tokenloom.protocols.messages import Delta, Done
+
+    async def main() -> int:
+        history = [{"role": "system", "content": args.system}] if args.system else []
+        async with Client(args.url, api_key=_api_key(args.api_key_file)) as client:
+            print(f"connected to {client.session.model}; an empty line or Ctrl-D quits", file=sys.stderr)
+            loop = asyncio.get_running_loop()
+            while True:
+                sys.stdout.write("> ")
+                sys.stdout.flush()
+                line = await loop.run_in_executor(None, sys.stdin.readline)
+                if not line.strip():
+                    return 0
+                history.append({"role": "user", "content": line.strip()})
+                reply = []
+                try:
+                    async for ev in client.generate(messages=history, params={
+                            "temperature": args.temperature, "max_tokens": args.max_tokens}):
+                        if isinstance(ev, Delta):
+                            reply.append(ev.text)
+                            sys.stdout.write(ev.text)
+                            sys.stdout.flush()
+                        elif isinstance(ev, Done):
+                            ttft = f"{ev.metrics.ttft_ms:.0f} ms" if ev.metrics.ttft_ms is not None else "-"
+                            print(f"\n[{ev.finish_reason}, {ev.usage.completion_tokens} tokens, TTFT {ttft}]",
+                                  file=sys.stderr)
+                except RequestError as exc:
+                    print(f"error: {exc}", file=sys.stderr)
+                    history.pop()
+                    continue
+                history.append({"role": "assistant", "content": "".join(reply)})
+
+    return asyncio.run(main())
