@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 
-.PHONY: install run test test-fast lint bench clean
+.PHONY: install run serve test test-fast lint clean
 
 install: $(STAMP)
 
@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml examples/tokenloom-example-plugin/pyproject.toml
 
 run: $(STAMP)
 	$(VENV)/bin/tokenloom generate --temperature 0 "$(PROMPT)"
+
+serve: $(STAMP)
+	$(VENV)/bin/tokenloom serve
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 import torch.nn.functional as F
+
 from tokenloom.core.attention import AttentionInputs
 from tokenloom.core.hookspecs import hookimpl
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import structlog
 import torch
+
 from tokenloom.core.config import EngineConfig, build_config, load_toml
 from tokenloom.core.loader.resolve import resolve_model_path
 from tokenloom.core.plugins import PluginManager

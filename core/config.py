@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 import tomllib
+
 from tokenloom.core.errors import ConfigError
 from tokenloom.core.plugins import ROLE_LABELS, ROLES, PluginManager
 

@@ -6,6 +6,7 @@ import logging
 import sys
 
 import structlog
+
 from tokenloom.core import env
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import pluggy
 import structlog
+
 from tokenloom.core import env, hookspecs
 from tokenloom.core.errors import ConfigError, UnknownPluginError
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
 from tokenloom.core.attention import AttentionInputs, PrefillSpan
 from tokenloom.core.loader import LoadedCheckpoint
 from tokenloom.core.models.llama import LlamaModel

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
 from tokenloom.core.sequence import Sequence
 
 

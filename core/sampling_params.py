@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 import msgspec
+
 from tokenloom.core.errors import ClientError
 
 MAX_LOGPROBS = 20

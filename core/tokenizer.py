@@ -10,6 +10,7 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+
 from tokenloom.core.errors import ClientError
 
 CONTROL_TOKEN_TYPE = 3  # GGUF token_type for control tokens (<|im_start|>, ...)

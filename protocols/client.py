@@ -14,6 +14,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.protocols.messages import (
     Accepted,
@@ -29,8 +32,6 @@ from tokenloom.protocols.messages import (
     decode_server,
     encode,
 )
-from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
 
 
 class RequestError(Exception):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import msgspec
+
 from tokenloom.core.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1

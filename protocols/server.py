@@ -19,6 +19,11 @@ import json
 from dataclasses import dataclass
 
 import structlog
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Response
+
 from tokenloom.core.errors import ClientError
 from tokenloom.core.outputs import Finished
 from tokenloom.protocols.messages import (
@@ -40,10 +45,6 @@ from tokenloom.protocols.messages import (
 )
 from tokenloom.protocols.metrics import ServerMetrics
 from tokenloom.protocols.outbound import OutboundQueue
-from websockets.asyncio.server import ServerConnection, serve
-from websockets.datastructures import Headers
-from websockets.exceptions import ConnectionClosed
-from websockets.http11 import Response
 
 log = structlog.get_logger("tokenloom.server")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from tokenloom.core.interfaces import CacheManager
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.core.sequence import Sequence

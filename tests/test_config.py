@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from tokenloom.core.config import build_config, parse_override
 from tokenloom.core.errors import ConfigError, UnknownPluginError
 from tokenloom.core.plugins import PluginManager

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from conftest import _byte_tokenizer
+
 from tokenloom.core.detokenizer import IncrementalDetokenizer
 from tokenloom.core.tokenizer import Tokenizer
+
+from conftest import _byte_tokenizer
 
 
 @pytest.fixture(scope="module")

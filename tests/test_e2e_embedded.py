@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from tokenloom import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow

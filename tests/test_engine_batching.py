@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from tokenloom import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -17,8 +18,9 @@ def _prompts(n: int, seed: int = 1) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def alone_outputs(tiny_model_dir):
-    from conftest import tiny_engine_kwargs
     from tokenloom import LLM
+
+    from conftest import tiny_engine_kwargs
 
     with LLM(**tiny_engine_kwargs(tiny_model_dir)) as llm:
         return [llm.generate([p], GREEDY)[0].token_ids for p in _prompts(16)]

@@ -6,12 +6,14 @@ import asyncio
 import random
 
 import pytest
-from conftest import tiny_engine_kwargs
+
 from tokenloom import LLM, SamplingParams
 from tokenloom.core.errors import ClientError, RequestTooLong
 from tokenloom.core.hookspecs import hookimpl
 from tokenloom.core.outputs import Finished, TokenDelta
 from tokenloom.core.plugins import PluginManager
+
+from conftest import tiny_engine_kwargs
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from conftest import CHAT_TEMPLATE, EOS_ID, _byte_tokenizer
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
+
 from tokenloom.core.loader.gguf_file import load_gguf, unpermute_qk  # noqa: E402
 
 HF_TO_GGUF = {

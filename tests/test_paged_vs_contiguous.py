@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from tokenloom import SamplingParams
 
 NUM_BLOCKS = 400  # 6,400 token slots

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+
 from tokenloom.core import hookspecs
 from tokenloom.core.config import build_config
 from tokenloom.core.errors import ConfigError

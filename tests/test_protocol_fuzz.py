@@ -6,6 +6,7 @@ import json
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from tokenloom.protocols.messages import ClientMessage, Error, decode_client
 
 VALID = [

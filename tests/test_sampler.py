@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from tokenloom.core.sampler import Sampler
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.core.sequence import Sequence

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tokenloom.core.errors import ClientError
 from tokenloom.core.sampling_params import SamplingParams
 

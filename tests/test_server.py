@@ -9,15 +9,17 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import tiny_engine_kwargs
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
 from tokenloom.core.build import config_from_sources
 from tokenloom.core.engine import AsyncEngine
 from tokenloom.core.plugins import PluginManager
 from tokenloom.protocols.client import Client, RequestError
 from tokenloom.protocols.messages import Delta, Done, decode_server, encode
 from tokenloom.protocols.server import ServerOptions, TokenServer
-from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from conftest import tiny_engine_kwargs
 
 LONG = {"temperature": 0, "max_tokens": 400, "ignore_eos": True}
 

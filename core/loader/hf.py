@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
 from tokenloom.core.loader import LoadedCheckpoint
 from tokenloom.core.models.config import ModelConfig
 from tokenloom.core.tokenizer import Tokenizer

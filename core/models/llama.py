@@ -9,8 +9,9 @@ pure bf16 flips (see shared/FACTS.md). Every hot op goes through ``self.backend`
 from __future__ import annotations
 
 import torch
-from tokenloom.core.models.config import ModelConfig
 from torch import nn
+
+from tokenloom.core.models.config import ModelConfig
 
 
 def rope_cache(cfg: ModelConfig, max_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,6 +5,7 @@ that shows why paging matters: a request that stops early still holds its whole 
 from __future__ import annotations
 
 import msgspec
+
 from tokenloom.core.hookspecs import hookimpl
 from tokenloom.core.interfaces import CacheStats
 from tokenloom.core.sequence import Sequence

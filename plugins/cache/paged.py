@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import deque
 
 import msgspec
+
 from tokenloom.core.hookspecs import hookimpl
 from tokenloom.core.interfaces import CacheStats
 from tokenloom.core.sequence import Sequence

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+
 from tokenloom.core.hookspecs import hookimpl
 from tokenloom.core.sequence import Batch, Sequence
 

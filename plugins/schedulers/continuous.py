@@ -11,6 +11,7 @@ without a gap.
 from __future__ import annotations
 
 import msgspec
+
 from tokenloom.core.errors import ConfigError, RequestTooLong
 from tokenloom.core.hookspecs import hookimpl
 from tokenloom.core.sequence import Batch, Sequence, SequenceStatus

@@ -7,6 +7,7 @@ finished sequence's slot stays empty until the whole batch is done."""
 from __future__ import annotations
 
 import msgspec
+
 from tokenloom.core.errors import ConfigError
 from tokenloom.core.hookspecs import hookimpl
 from tokenloom.core.sequence import Batch, SequenceStatus

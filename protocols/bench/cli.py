@@ -29,6 +29,27 @@ def add_bench_parser(sub) -> None:
     dec.add_argument("--json", metavar="FILE")
     add_engine_args(dec)
     dec.set_defaults(func=cmd_decode)
+    _add_serve_bench(bsub)
+
+
+def _add_serve_bench(bsub) -> None:
+    from tokenloom.protocols.bench.serve import cmd_serve_bench
+
+    sv = bsub.add_parser("serve", help="load generator over the WebSocket protocol (start `tokenloom serve` first)")
+    sv.add_argument("--url", default="ws://127.0.0.1:8765")
+    sv.add_argument("--rate", action="append", default=None, help="requests/s, Poisson arrivals; inf = all at once")
+    sv.add_argument("--concurrency", type=int, default=64)
+    sv.add_argument("--num-requests", type=int, default=64)
+    sv.add_argument("--prompt-len", default="32-256")
+    sv.add_argument("--output-len", default="32-128")
+    sv.add_argument("--workload-seed", type=int, default=0)
+    sv.add_argument("--json", metavar="FILE")
+    sv.set_defaults(func=lambda a: cmd_serve_bench(_default_rates(a)))
+
+
+def _default_rates(args):
+    args.rate = args.rate or ["inf"]
+    return args
 
 
 def cmd_offline(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import torch
+
 from tokenloom.core.config import merge_layers
 from tokenloom.core.plugins import PluginManager
 from tokenloom.protocols.bench.runner import StepRecorder, run_workload

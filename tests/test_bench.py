@@ -1,0 +1,85 @@
+"""Bench statistics on synthetic timings, the workload generator, and a real serve run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tokenloom.core.plugins import PluginManager
+from tokenloom.protocols.bench.offline import format_table, parse_combo
+from tokenloom.protocols.bench.stats import percentile, ratio, summarize
+from tokenloom.protocols.bench.workload import make_workload, parse_range
+
+
+def test_percentile_interpolates_like_numpy():
+    xs = [10, 1, 4, 7]  # sorted 1 4 7 10
+    assert percentile(xs, 0) == 1 and percentile(xs, 100) == 10
+    assert percentile(xs, 50) == pytest.approx(5.5)
+    assert percentile(xs, 90) == pytest.approx(9.1)  # 7 + 0.7 * 3
+    assert percentile([3.0], 99) == 3.0
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError):
+        percentile(xs, 101)
+
+
+def test_summarize_skips_missing_values():
+    s = summarize([1.0, None, 3.0, float("nan"), 2.0])
+    assert s["n"] == 3 and s["mean"] == 2.0 and s["p50"] == 2.0 and s["p99"] == pytest.approx(2.98)
+
+
+def test_ratio():
+    assert ratio(30.0, 10.0) == 3.0
+    assert math.isnan(ratio(1.0, 0.0)) and math.isnan(ratio(1.0, None))
+
+
+def test_workload_is_seeded_and_in_range():
+    a = make_workload(20, (5, 9), (3, 4), seed=1)
+    assert a == make_workload(20, (5, 9), (3, 4), seed=1) != make_workload(20, (5, 9), (3, 4), seed=2)
+    assert all(5 <= len(r.prompt_token_ids) <= 9 and 3 <= r.max_tokens <= 4 for r in a)
+    assert parse_range("32-512") == (32, 512) and parse_range("7") == (7, 7)
+    with pytest.raises(ValueError):
+        make_workload(3, (9, 5), (1, 1))
+
+
+def test_combo_parsing_names_roles():
+    pm = PluginManager(load_entry_points=False)
+    assert parse_combo("static+contiguous", pm) == ("static+contiguous", {
+        "scheduler": {"name": "static"}, "cache_manager": {"name": "contiguous"}})
+    with pytest.raises(Exception, match="no strategy named 'warp'"):
+        parse_combo("continuous+warp", pm)
+    with pytest.raises(Exception, match="two schedulers"):
+        parse_combo("continuous+static", pm)
+
+
+def test_table_shows_ratios():
+    base = {"combo": "a", "output_tok_s": 100.0, "ratio_output_tok_s": 1.0, "total_tok_s": 200.0,
+            "decode_tok_s": 120.0, "ttft_ms": summarize([10, 20]), "tpot_ms": summarize([5.0]),
+            "peak_kv_usage": 0.5, "peak_running": 8, "preemptions": 0}
+    table = format_table({"results": [base, {**base, "combo": "b", "output_tok_s": 250.0, "ratio_output_tok_s": 2.5}]})
+    assert "2.50x" in table and "1.00x" in table and "15/15/19/20" in table
+
+
+async def test_bench_serve_against_a_real_server(tiny_model_dir):
+    from tokenloom.core.build import config_from_sources
+    from tokenloom.core.engine import AsyncEngine
+    from tokenloom.protocols.bench.serve import format_serve, run_serve_bench
+    from tokenloom.protocols.server import ServerOptions, TokenServer
+
+    from conftest import tiny_engine_kwargs
+
+    pm = PluginManager(load_entry_points=False)
+    engine = AsyncEngine(config_from_sources(pm, None, None, tiny_engine_kwargs(tiny_model_dir)), plugin_manager=pm)
+    server = TokenServer(engine, ServerOptions(port=0))
+    await server.start()
+    try:
+        work = make_workload(12, (4, 20), (5, 9), seed=0, token_range=(0, 256))
+        rep = await run_serve_bench(f"ws://127.0.0.1:{server.port}", 50.0, 4, work, seed=0)
+    finally:
+        await server.shutdown(deadline_s=0)
+        await engine.shutdown()
+        engine.close()
+    assert rep["requests"] == 12 and rep["failed"] == 0
+    assert rep["ttft_ms"]["n"] == 12 and rep["ttft_ms"]["p50"] <= rep["ttft_ms"]["p99"]
+    assert rep["output_tok_s"] > 0
+    assert "rate" in format_serve([rep])
