@@ -97,8 +97,10 @@ class AsyncEngine:
         return list(prompt)
 
     def submit(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
-               messages: list[dict] | None = None, request_id: str | None = None) -> _Request:
-        """Validate and enqueue; raises ClientError before anything is accepted."""
+               messages: list[dict] | None = None, request_id: str | None = None,
+               cache_salt: str | None = None) -> _Request:
+        """Validate and enqueue; raises ClientError before anything is accepted.
+        Requests with different ``cache_salt`` never share prefix-cache blocks (tenants)."""
         self._ensure_loop()
         params = params or SamplingParams()
         params.validate(self.model_config.vocab_size)
@@ -110,7 +112,9 @@ class AsyncEngine:
             raise RequestTooLong(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
                 f"length {self.max_model_len}", param="max_tokens", value=params.max_tokens)
-        seq = Sequence(request_id, ids, params, eos_token_ids=self.tokenizer.eos_token_ids)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > 256):
+            raise ClientError.bad_value("cache_salt", cache_salt, "a string of at most 256 characters")
+        seq = Sequence(request_id, ids, params, eos_token_ids=self.tokenizer.eos_token_ids, cache_salt=cache_salt)
         self.scheduler.add(seq)  # may raise RequestTooLong (can never fit the cache)
         req = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params.stop), asyncio.Queue())
         self._requests[request_id] = req
@@ -119,9 +123,9 @@ class AsyncEngine:
         return req
 
     async def generate(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
-                       messages: list[dict] | None = None,
-                       request_id: str | None = None) -> AsyncIterator[TokenDelta | Finished]:
-        req = self.submit(prompt, params, messages=messages, request_id=request_id)
+                       messages: list[dict] | None = None, request_id: str | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[TokenDelta | Finished]:
+        req = self.submit(prompt, params, messages=messages, request_id=request_id, cache_salt=cache_salt)
         async for item in self.stream(req):
             yield item
 

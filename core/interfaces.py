@@ -59,6 +59,16 @@ class CacheManager(Protocol):
 
     def free(self, seq: Sequence) -> None: ...
 
+    def peek_prefix(self, seq: Sequence) -> int:
+        """Prompt tokens a claim would find cached right now (read-only; 0 without caching)."""
+
+    def claim_prefix(self, seq: Sequence) -> int:
+        """At admission (nothing computed yet): take the longest cached prefix of ``seq``
+        into its block table; returns its length in tokens (< the sequence's length)."""
+
+    def fork(self, parent: Sequence, child: Sequence) -> int:
+        """Share ``parent``'s computed prefix with ``child``; returns the tokens shared."""
+
     def block_table(self, seq: Sequence) -> list[int]: ...
 
     def stats(self) -> CacheStats: ...

@@ -31,7 +31,7 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]] | None = None,
                  params: SamplingParams | Seq[SamplingParams] | None = None, *,
-                 messages: Seq[list[dict]] | None = None) -> list[Finished]:
+                 messages: Seq[list[dict]] | None = None, cache_salt: str | None = None) -> list[Finished]:
         """Run all prompts together (continuous batching does the rest); results in order."""
         if messages is not None:
             inputs = [{"messages": m} for m in messages]
@@ -39,6 +39,8 @@ class LLM:
             if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
                 prompts = [prompts]
             inputs = [{"prompt": p} for p in prompts or []]
+        for inp in inputs:
+            inp["cache_salt"] = cache_salt
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(inputs)
         return self._loop.run_until_complete(self._run(inputs, list(params)))

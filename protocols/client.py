@@ -99,12 +99,12 @@ class Client:
 
     async def generate(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
                        params: SamplingParams | dict[str, Any] | None = None,
-                       id: str | None = None) -> AsyncIterator[Delta | Done]:
+                       id: str | None = None, cache_salt: str | None = None) -> AsyncIterator[Delta | Done]:
         """Yield deltas, then the one ``done``. Raises :class:`RequestError` if refused."""
         rid = id or f"r{next(self._ids)}"
         if isinstance(params, dict):
             params = msgspec.convert(params, SamplingParams)
-        msg = Generate(id=rid, params=params or SamplingParams(),
+        msg = Generate(id=rid, params=params or SamplingParams(), cache_salt=cache_salt,
                        prompt=prompt if isinstance(prompt, str) else None,
                        prompt_token_ids=prompt if isinstance(prompt, list) else None,
                        messages=[ChatMessage(role=m["role"], content=m["content"]) for m in messages]

@@ -36,6 +36,7 @@ class Generate(msgspec.Struct, tag="generate", frozen=True, kw_only=True, forbid
     prompt_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=1 << 17)] | None = None
     messages: Annotated[list[ChatMessage], msgspec.Meta(max_length=MAX_MESSAGES)] | None = None
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    cache_salt: Annotated[str, msgspec.Meta(max_length=256)] | None = None  # tenants never share KV
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -218,7 +218,8 @@ class Connection:
         try:
             prompt = msg.prompt if msg.prompt is not None else msg.prompt_token_ids
             messages = [{"role": m.role, "content": m.content} for m in msg.messages] if msg.messages else None
-            req = self.engine.submit(prompt, msg.params, messages=messages, request_id=self._engine_id(rid))
+            req = self.engine.submit(prompt, msg.params, messages=messages, request_id=self._engine_id(rid),
+                                     cache_salt=msg.cache_salt)
         except ClientError as exc:
             self.out.put(Error(code=exc.code, id=rid, param=exc.param, message=str(exc)))
             return

@@ -61,6 +61,16 @@ class ContiguousCacheManager:
         self._num_tokens[seq.seq_id] = max(self._num_tokens.get(seq.seq_id, 0), total)
         return True
 
+    # A reservation is private to its sequence: nothing can be shared, so no prefix cache.
+    def peek_prefix(self, seq: Sequence) -> int:
+        return 0
+
+    def claim_prefix(self, seq: Sequence) -> int:
+        return 0
+
+    def fork(self, parent: Sequence, child: Sequence) -> int:
+        return 0
+
     def free(self, seq: Sequence) -> None:
         run = self._runs.pop(seq.seq_id, None)
         if run is not None:

@@ -56,6 +56,19 @@ class QueueScheduler:
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)
 
+    def claim_cached_prefix(self, seq: Sequence) -> None:
+        """Before a sequence's first chunk: start it past whatever prefix is cached."""
+        if seq.num_computed_tokens == 0:
+            cached = self.cache.claim_prefix(seq)
+            seq.num_computed_tokens = cached
+            if not seq.num_preemptions:
+                seq.num_cached_tokens = cached
+
+    def release_claim(self, seq: Sequence) -> None:
+        """Admission failed after a claim: give the cached blocks back."""
+        self.cache.free(seq)
+        seq.num_computed_tokens = 0
+
     def _add_to_batch(self, batch: Batch, seq: Sequence, n: int) -> None:
         batch.seqs.append(seq)
         batch.num_scheduled_tokens.append(n)

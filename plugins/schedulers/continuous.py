@@ -40,6 +40,10 @@ class ContinuousScheduler(QueueScheduler):
                 f"({self.token_budget}) with chunked prefill off", param="prompt", value=seq.num_prompt_tokens)
         super().add(seq)
 
+    def next_waiting(self) -> Sequence:
+        """Which waiting sequence to admit next: FCFS here; subclasses reorder."""
+        return self.waiting[0]
+
     def schedule(self) -> Batch:
         batch = Batch()
         budget = self.token_budget
@@ -60,17 +64,20 @@ class ContinuousScheduler(QueueScheduler):
         if batch.preempted:  # memory is tight: admit nothing new this step
             return batch
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.next_waiting()
+            self.claim_cached_prefix(seq)
             n = seq.num_tokens - seq.num_computed_tokens
             if n > budget:
                 # Without chunking a prompt runs whole; a recomputed sequence longer than the
                 # budget is the exception (it would never run otherwise).
                 if not self.chunked and not (n > self.token_budget and batch.is_empty):
+                    self.release_claim(seq)
                     break
                 n = budget
             if not self.cache.allocate(seq, n):
+                self.release_claim(seq)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._add_to_batch(batch, seq, n)

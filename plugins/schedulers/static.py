@@ -30,7 +30,9 @@ class StaticScheduler(QueueScheduler):
         if not self.running:
             while self.waiting and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
+                self.claim_cached_prefix(seq)
                 if not self.cache.allocate(seq, seq.max_len - seq.num_computed_tokens):
+                    self.release_claim(seq)
                     break
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
