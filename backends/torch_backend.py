@@ -101,6 +101,13 @@ class TorchBackend:
             prefills.append((span.q_start, span.q_end, blocks, span.context_len, j <= i + offset))
         return TorchAttnMeta(inp.slot_mapping, decode_rows, decode_blocks, decode_bias, prefills)
 
+    def copy_blocks(self, kv_caches, copies: list[tuple[int, int, int]]) -> None:
+        """Copy the first ``n`` token slots of block ``src`` into block ``dst``, every layer."""
+        for k_cache, v_cache in kv_caches:
+            for src, dst, n in copies:
+                k_cache[:, dst, :n] = k_cache[:, src, :n]
+                v_cache[:, dst, :n] = v_cache[:, src, :n]
+
     # ---- ops --------------------------------------------------------------------
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
         # k_cache: [kv_heads, num_blocks, block_size, head_dim]; k: [T, kv_heads, head_dim]

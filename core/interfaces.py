@@ -118,6 +118,9 @@ class Backend(Protocol):
 
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None: ...
 
+    def copy_blocks(self, kv_caches, copies: list[tuple[int, int, int]]) -> None:
+        """Copy the first n slots of block src into block dst, in every layer."""
+
     def attention(self, q, k_cache, v_cache, meta, scale: float): ...
 
     def rms_norm(self, x, weight, eps: float): ...

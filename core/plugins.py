@@ -31,8 +31,10 @@ ROLE_LABELS = {role: role.replace("_", " ") for role in ROLES}
 BUILTIN_PLUGINS = (
     "tokenloom.plugins.schedulers.continuous",
     "tokenloom.plugins.schedulers.static",
+    "tokenloom.plugins.schedulers.cache_aware",
     "tokenloom.plugins.cache.paged",
     "tokenloom.plugins.cache.contiguous",
+    "tokenloom.plugins.cache.radix",
     "tokenloom.plugins.decoders.standard",
     "tokenloom.plugins.formats",
     "tokenloom.backends.torch_backend",

@@ -84,6 +84,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: Batch) -> tuple[torch.Tensor | None, list[Sequence]]:
         """Run the batch; return logits [S, V] for the S sequences that sample this step."""
+        if batch.copies:
+            self.backend.copy_blocks(self.kv_caches, batch.copies)
         input_ids, positions, attn, rows, seqs = self.prepare(batch)
         meta = self.backend.prepare(attn)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)

@@ -108,6 +108,9 @@ class Batch:
     num_scheduled_tokens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # (src block, dst block, num tokens): KV copies to make before the step (copy-on-write
+    # of a partially shared block, from a prefix cache that shares at token granularity)
+    copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)

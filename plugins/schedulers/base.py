@@ -69,6 +69,12 @@ class QueueScheduler:
         self.cache.free(seq)
         seq.num_computed_tokens = 0
 
+    def finalize(self, batch: Batch) -> Batch:
+        take = getattr(self.cache, "take_copies", None)
+        if take is not None:
+            batch.copies = take()
+        return batch
+
     def _add_to_batch(self, batch: Batch, seq: Sequence, n: int) -> None:
         batch.seqs.append(seq)
         batch.num_scheduled_tokens.append(n)

@@ -62,7 +62,7 @@ class ContinuousScheduler(QueueScheduler):
             budget -= n
             i += 1
         if batch.preempted:  # memory is tight: admit nothing new this step
-            return batch
+            return self.finalize(batch)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.next_waiting()
             self.claim_cached_prefix(seq)
@@ -82,7 +82,7 @@ class ContinuousScheduler(QueueScheduler):
             self.running.append(seq)
             self._add_to_batch(batch, seq, n)
             budget -= n
-        return batch
+        return self.finalize(batch)
 
 
 @hookimpl

@@ -39,7 +39,7 @@ class StaticScheduler(QueueScheduler):
                 self.running.append(seq)
         for seq in self.running:
             self._add_to_batch(batch, seq, seq.num_tokens - seq.num_computed_tokens)
-        return batch
+        return self.finalize(batch)
 
 
 @hookimpl

@@ -1,0 +1,129 @@
+"""One contract, every cache manager: hypothesis drives random allocate / append / fork /
+free / match / evict sequences and checks the bookkeeping after every operation."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from tokenloom.core.sampling_params import SamplingParams
+from tokenloom.core.sequence import Sequence
+from tokenloom.plugins.cache.contiguous import ContiguousCacheManager
+from tokenloom.plugins.cache.paged import PagedCacheManager, PagedOptions
+from tokenloom.plugins.cache.radix import RadixCacheManager
+
+NUM_BLOCKS, BLOCK_SIZE = 24, 4
+# a small alphabet and shared stems make prefix hits (and radix splits) frequent
+tokens = st.lists(st.integers(0, 3), min_size=1, max_size=14)
+stems = st.sampled_from([[], [1, 2, 3, 0, 1], [1, 2, 3, 0, 1, 2, 2, 3, 1], [3, 3, 3, 3]])
+
+FACTORIES = {
+    "paged": lambda: PagedCacheManager(PagedOptions(enable_prefix_caching=True), NUM_BLOCKS, BLOCK_SIZE),
+    "paged-nocache": lambda: PagedCacheManager(PagedOptions(enable_prefix_caching=False), NUM_BLOCKS, BLOCK_SIZE),
+    "radix": lambda: RadixCacheManager(None, NUM_BLOCKS, BLOCK_SIZE),
+    "contiguous": lambda: ContiguousCacheManager(None, NUM_BLOCKS, BLOCK_SIZE),
+}
+
+
+class CacheContract(RuleBasedStateMachine):
+    factory = None
+
+    @initialize()
+    def setup(self):
+        self.cache = type(self).factory()
+        self.live: list[Sequence] = []
+        self.salts = [None, "tenant"]
+
+    def _admit(self, seq: Sequence) -> None:
+        seq.num_computed_tokens = self.cache.claim_prefix(seq)
+        assert seq.num_computed_tokens < seq.num_tokens
+        if self.cache.allocate(seq, seq.num_tokens - seq.num_computed_tokens):
+            seq.num_computed_tokens = seq.num_tokens - 1  # "ran": all but the newest token computed
+            self.live.append(seq)
+        else:
+            self.cache.free(seq)
+
+    @rule(stem=stems, tail=tokens, max_tokens=st.integers(1, 12), salt=st.sampled_from([None, "t"]))
+    def admit(self, stem, tail, max_tokens, salt):
+        seq = Sequence("r", stem + tail, SamplingParams(max_tokens=max_tokens), cache_salt=salt)
+        if self.cache.can_ever_fit(seq):
+            peek = self.cache.peek_prefix(seq)
+            self._admit(seq)
+            assert peek <= seq.num_tokens - 1
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100), tok=st.integers(0, 3))
+    def append(self, i, tok):
+        seq = self.live[i % len(self.live)]
+        if seq.num_tokens >= seq.max_len:
+            return
+        seq.num_computed_tokens = seq.num_tokens  # the previous step computed everything
+        seq.append_token(tok)
+        seq.num_computed_tokens -= 1
+        if not self.cache.allocate(seq, 1 + (seq.num_tokens - 1 - seq.num_computed_tokens)):
+            self.live.remove(seq)  # preempted
+            self.cache.free(seq)
+        else:
+            seq.num_computed_tokens = seq.num_tokens - 1
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100), extra=tokens)
+    def fork(self, i, extra):
+        parent = self.live[i % len(self.live)]
+        child = Sequence("f", parent.token_ids[:parent.num_computed_tokens] + extra,
+                         SamplingParams(max_tokens=4), cache_salt=parent.cache_salt)
+        if not self.cache.can_ever_fit(child):
+            return
+        shared = self.cache.fork(parent, child)
+        assert shared < child.num_tokens  # (radix may share more than the parent computed)
+        child.num_computed_tokens = shared
+        if self.cache.allocate(child, child.num_tokens - shared):
+            child.num_computed_tokens = child.num_tokens - 1
+            self.live.append(child)
+        else:
+            self.cache.free(child)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100))
+    def free(self, i):
+        seq = self.live.pop(i % len(self.live))
+        self.cache.free(seq)
+        assert self.cache.block_table(seq) == []
+
+    @rule(n=st.integers(1, NUM_BLOCKS))
+    def pressure(self, n):
+        """Evict: a request that needs many blocks forces cached ones out (where any)."""
+        seq = Sequence("big", [9] * (n * BLOCK_SIZE), SamplingParams(max_tokens=1))
+        if self.cache.allocate(seq, seq.num_tokens):
+            self.cache.check_integrity()
+        self.cache.free(seq)
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "cache"):
+            return
+        self.cache.check_integrity()
+        for seq in self.live:
+            assert len(self.cache.block_table(seq)) * BLOCK_SIZE >= seq.num_computed_tokens + 1
+        stats = self.cache.stats()
+        assert 0 <= stats.num_free_blocks <= NUM_BLOCKS
+
+    def teardown(self):
+        if not hasattr(self, "cache"):
+            return
+        for seq in self.live:
+            self.cache.free(seq)
+        self.cache.check_integrity()
+        # everything a sequence held came back; what remains is only reclaimable cache
+        big = Sequence("all", [7] * (NUM_BLOCKS * BLOCK_SIZE - 1), SamplingParams(max_tokens=1))
+        assert self.cache.allocate(big, big.num_tokens), "blocks leaked"
+        self.cache.free(big)
+
+
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_cache_manager_contract(name):
+    machine = type(f"Contract_{name}", (CacheContract,), {"factory": staticmethod(FACTORIES[name])})
+    machine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+    machine.TestCase().runTest()
