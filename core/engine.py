@@ -284,7 +284,8 @@ class AsyncEngine:
         return {
             "running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
             "kv_usage": cs.usage, "kv_blocks_free": cs.num_free_blocks, "kv_blocks_total": cs.num_blocks,
-            "kv_waste": cs.waste, "prefix_hit_rate": cs.hit_rate, "preemptions": c.preemptions,
+            "kv_waste": cs.waste, "prefix_hit_rate": cs.hit_rate, "prefix_cached_blocks": cs.num_cached_blocks,
+            "prefix_evictions": cs.num_evictions, "preemptions": c.preemptions,
             "steps": c.steps, "generated_tokens": c.generated_tokens, "prompt_tokens": c.prompt_tokens,
             "finished_requests": c.finished_requests, "peak_kv_usage": c.peak_kv_usage,
             "peak_running": c.peak_running,

@@ -33,6 +33,8 @@ class ServerMetrics:
         self.kv_usage = Gauge("tokenloom_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
         self.hit_rate = Gauge("tokenloom_prefix_cache_hit_rate", "Prefix-cache hit rate", registry=r)
         self.preemptions = Gauge("tokenloom_num_preemptions", "Preemptions since start", registry=r)
+        self.cached_blocks = Gauge("tokenloom_prefix_cache_blocks", "KV blocks held for prefix reuse", registry=r)
+        self.evictions = Gauge("tokenloom_prefix_cache_evictions", "Prefix-cache evictions since start", registry=r)
 
     def observe_finished(self, reason: str, final) -> None:
         self.requests.labels(finish_reason=reason).inc()
@@ -52,4 +54,6 @@ class ServerMetrics:
         self.kv_usage.set(s["kv_usage"])
         self.hit_rate.set(s["prefix_hit_rate"])
         self.preemptions.set(s["preemptions"])
+        self.cached_blocks.set(s["prefix_cached_blocks"])
+        self.evictions.set(s["prefix_evictions"])
         return generate_latest(self.registry).decode()

@@ -60,7 +60,7 @@ def test_bad_keys_and_values_are_named(pm, layer, words):
 def test_unknown_strategy_lists_known_ones(pm):
     with pytest.raises(UnknownPluginError) as info:
         build_config(pm, {"cache_manager": "x"})
-    assert str(info.value) == "unknown cache manager 'x'; known: contiguous, paged"
+    assert str(info.value) == "unknown cache manager 'x'; known: contiguous, paged, radix"
 
 
 def test_parse_override_reads_toml_values():

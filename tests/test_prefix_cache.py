@@ -35,7 +35,10 @@ def test_greedy_identical_with_caching_on_and_off(make_llm, name, cache):
     assert sum(o.usage.cached_tokens for o in again) >= 16 * len(prompts) - 16
     stats = on.engine.cache.stats()
     assert stats.prefix_hits > 0 and 0 < stats.hit_rate < 1
-    assert on.engine.stats()["prefix_hit_rate"] == stats.hit_rate
+    engine_stats = on.engine.stats()
+    assert engine_stats["prefix_hit_rate"] == stats.hit_rate
+    assert engine_stats["prefix_cached_blocks"] == stats.num_cached_blocks > 0
+    assert engine_stats["prefix_evictions"] == stats.num_evictions
 
 
 @pytest.mark.parametrize("name, cache", CACHING)
@@ -155,3 +158,24 @@ def test_radix_outputs_under_eviction_and_preemption(make_llm, scheduler):
         assert [o.token_ids for o in small.generate(prompts, GREEDY)] == reference
         small.engine.cache.check_integrity()
     assert small.engine.cache.stats().num_evictions > 0
+
+
+@pytest.mark.parametrize("workload", ["multi-turn", "shared-system"])
+def test_bench_prefix_workloads_radix_hits_at_least_paged(tiny_model_dir, workload):
+    import argparse
+
+    from tokenloom.core.plugins import PluginManager
+    from tokenloom.protocols.bench.prefix import run_prefix
+
+    from conftest import tiny_engine_kwargs
+
+    args = argparse.Namespace(config=None, workload=workload, combos="no-cache,paged,radix", system_len=45,
+                              user_len=(3, 9), output_len=6, num_requests=6, num_conversations=4, turns=3,
+                              concurrency=2, workload_seed=0)
+    flags = {k: v for k, v in tiny_engine_kwargs(tiny_model_dir).items()}
+    flags["max_model_len"] = 1024
+    report = run_prefix(args, flags, PluginManager(load_entry_points=False))
+    rates = {r["combo"]: r["hit_rate"] for r in report["results"]}
+    assert rates["no-cache"] == 0.0 and rates["paged"] > 0.1
+    # block hashing loses each prompt's partial last block; the tree does not
+    assert rates["radix"] > rates["paged"]

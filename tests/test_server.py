@@ -83,6 +83,19 @@ async def test_eight_requests_multiplexed_on_one_connection(make_server):
     assert server.engine.counters.peak_running > 1
 
 
+async def test_done_reports_cached_prompt_tokens(make_server):
+    server, url = await make_server(engine={"cache_manager": "radix"})
+    async with Client(url) as client:
+        prompt = "a long shared system prompt, the same every time: " * 3
+        _, first, _ = await _collect(client, prompt + "one", params={"max_tokens": 2, "ignore_eos": True})
+        _, second, _ = await _collect(client, prompt + "two", params={"max_tokens": 2, "ignore_eos": True})
+        _, salted, _ = await _collect(client, prompt + "two", params={"max_tokens": 2, "ignore_eos": True},
+                                      cache_salt="other-tenant")
+    assert first.usage.cached_tokens == 0
+    assert second.usage.cached_tokens >= len(prompt.encode()) - 1
+    assert salted.usage.cached_tokens == 0
+
+
 async def test_cancel_and_unknown_cancel(make_server):
     server, url = await make_server()
     async with Client(url) as client:

@@ -31,6 +31,21 @@ def add_bench_parser(sub) -> None:
     dec.set_defaults(func=cmd_decode)
     _add_serve_bench(bsub)
 
+    px = bsub.add_parser("prefix", help="prefix caching: shared system prompt TTFT, multi-turn hit rate")
+    px.add_argument("--workload", choices=["shared-system", "multi-turn"], default="shared-system")
+    px.add_argument("--combos", default="no-cache,paged,radix", help="comma list of no-cache, paged, radix")
+    px.add_argument("--system-len", type=int, default=1000)
+    px.add_argument("--user-len", default="10-40", type=lambda t: tuple(int(x) for x in t.split("-")))
+    px.add_argument("--output-len", type=int, default=16)
+    px.add_argument("--num-requests", type=int, default=12)
+    px.add_argument("--num-conversations", type=int, default=8)
+    px.add_argument("--turns", type=int, default=4)
+    px.add_argument("--concurrency", type=int, default=1)
+    px.add_argument("--workload-seed", type=int, default=0)
+    px.add_argument("--json", metavar="FILE")
+    add_engine_args(px)
+    px.set_defaults(func=cmd_prefix)
+
 
 def _add_serve_bench(bsub) -> None:
     from tokenloom.protocols.bench.serve import cmd_serve_bench
@@ -50,6 +65,18 @@ def _add_serve_bench(bsub) -> None:
 def _default_rates(args):
     args.rate = args.rate or ["inf"]
     return args
+
+
+def cmd_prefix(args: argparse.Namespace) -> int:
+    from tokenloom.core.plugins import PluginManager
+    from tokenloom.protocols.bench.offline import write_json
+    from tokenloom.protocols.bench.prefix import format_prefix, run_prefix
+    from tokenloom.protocols.cli_args import flags_layer
+
+    report = run_prefix(args, flags_layer(args), PluginManager())
+    print(format_prefix(report))
+    write_json(report, args.json)
+    return 0
 
 
 def cmd_offline(args: argparse.Namespace) -> int:
