@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 
-.PHONY: install run serve test test-fast lint clean
+.PHONY: install run serve test test-fast lint results peers clean
 
 install: $(STAMP)
 
@@ -33,6 +33,16 @@ test: lint
 
 test-fast: lint
 	$(PY) -m pytest -m "not slow"
+
+# Rerun every benchmark and rewrite the README's results section (about an hour on 2 cores;
+# RESULTS_ARGS=--quick for a few minutes). Peers join when `make peers` has run.
+results: $(STAMP)
+	$(PY) scripts/update_results.py $(RESULTS_ARGS)
+
+# Peers for `tokenloom bench peers`: llama-cpp-python (compiles llama.cpp) and llama-server.
+peers: $(STAMP)
+	$(PIP) install -q -e '.[peers]'
+	PYTHON=$(PY) scripts/build-llama-server.sh .peers
 
 clean:
 	rm -rf $(VENV) build *.egg-info

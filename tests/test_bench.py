@@ -83,3 +83,22 @@ async def test_bench_serve_against_a_real_server(tiny_model_dir):
     assert rep["ttft_ms"]["n"] == 12 and rep["ttft_ms"]["p50"] <= rep["ttft_ms"]["p99"]
     assert rep["output_tok_s"] > 0
     assert "rate" in format_serve([rep])
+
+
+def test_offline_plot_is_a_png_with_the_expected_series(tmp_path):
+    import matplotlib.image
+
+    from tokenloom.protocols.bench.plot import plot_offline
+
+    def result(name, out):
+        return {"combo": name, "output_tok_s": out, "total_tok_s": out * 2, "ratio_output_tok_s": out / 10,
+                "ttft_ms": summarize([100, 200, 300]), "tpot_ms": summarize([10, 20])}
+
+    path = tmp_path / "bench.png"
+    series = plot_offline({"results": [result("continuous+paged", 10.0), result("static+contiguous", 4.0)],
+                           "workload": {"num_requests": 2}}, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = matplotlib.image.imread(str(path))
+    assert img.shape[0] > 300 and img.shape[1] > 1000
+    assert series == {"throughput": ["output tok/s", "total tok/s"], "ttft": ["p50", "p90", "p99"],
+                      "tpot": ["p50", "p90", "p99"]}

@@ -31,6 +31,20 @@ def add_bench_parser(sub) -> None:
     dec.set_defaults(func=cmd_decode)
     _add_serve_bench(bsub)
 
+    pe = bsub.add_parser("peers", help="the offline workload through tokenloom, llama.cpp and transformers")
+    pe.add_argument("--num-requests", type=int, default=64)
+    pe.add_argument("--prompt-len", default="32-512")
+    pe.add_argument("--output-len", default="32-256")
+    pe.add_argument("--workload-seed", type=int, default=0)
+    pe.add_argument("--parallel", type=int, default=32, help="llama-server --parallel")
+    pe.add_argument("--hf-batch-size", type=int, default=32)
+    pe.add_argument("--llama-server", help="path to llama-server (default: .peers/llama-server or PATH)")
+    pe.add_argument("--skip", action="append", default=[], choices=["llama-cpp-python", "llama-server", "transformers"])
+    pe.add_argument("--json", metavar="FILE")
+    pe.add_argument("--plot", metavar="FILE.png")
+    add_engine_args(pe)
+    pe.set_defaults(func=cmd_peers)
+
     px = bsub.add_parser("prefix", help="prefix caching: shared system prompt TTFT, multi-turn hit rate")
     px.add_argument("--workload", choices=["shared-system", "multi-turn"], default="shared-system")
     px.add_argument("--combos", default="no-cache,paged,radix", help="comma list of no-cache, paged, radix")
@@ -76,6 +90,23 @@ def cmd_prefix(args: argparse.Namespace) -> int:
     report = run_prefix(args, flags_layer(args), PluginManager())
     print(format_prefix(report))
     write_json(report, args.json)
+    return 0
+
+
+def cmd_peers(args: argparse.Namespace) -> int:
+    from tokenloom.core.plugins import PluginManager
+    from tokenloom.protocols.bench.offline import write_json
+    from tokenloom.protocols.bench.peers import format_peers, run_peers
+    from tokenloom.protocols.cli_args import flags_layer
+
+    report = run_peers(args, flags_layer(args), PluginManager())
+    print(format_peers(report))
+    write_json(report, args.json)
+    if args.plot:
+        from tokenloom.protocols.bench.plot import plot_peers
+
+        plot_peers(report, args.plot)
+        print(f"plot written to {args.plot}")
     return 0
 
 

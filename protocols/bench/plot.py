@@ -1,0 +1,71 @@
+"""Charts for bench reports (matplotlib, Agg: no display needed)."""
+
+from __future__ import annotations
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_offline(report: dict, path: str) -> dict[str, list[str]]:
+    """Left: throughput per combination; right: TTFT and TPOT percentiles. Returns the
+    series drawn per panel (the test checks them)."""
+    plt = _pyplot()
+    results = report["results"]
+    names = [r["combo"] for r in results]
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.8))
+    x = range(len(names))
+    width = 0.38
+    out = [r["output_tok_s"] for r in results]
+    tot = [r["total_tok_s"] for r in results]
+    ax1.bar([i - width / 2 for i in x], out, width, label="output tok/s", color="#3b7dd8")
+    ax1.bar([i + width / 2 for i in x], tot, width, label="total tok/s", color="#9cc0f0")
+    for i, r in enumerate(results):
+        ax1.annotate(f"{r.get('ratio_output_tok_s', 1.0):.2f}x", (i - width / 2, out[i]), ha="center", va="bottom")
+    ax1.set_xticks(list(x), names, rotation=15)
+    ax1.set_ylabel("tokens / s")
+    ax1.set_title("Throughput (higher is better)")
+    ax1.legend()
+    series = {"throughput": ["output tok/s", "total tok/s"], "ttft": [], "tpot": []}
+    for ax, key, title in ((ax2, "ttft_ms", "TTFT ms"), (ax3, "tpot_ms", "TPOT ms")):
+        pcts = ("p50", "p90", "p99")
+        w = 0.8 / len(pcts)
+        for j, p in enumerate(pcts):
+            ax.bar([i - 0.4 + w * (j + 0.5) for i in x], [r[key][p] for r in results], w, label=p)
+            series["ttft" if key == "ttft_ms" else "tpot"].append(p)
+        ax.set_xticks(list(x), names, rotation=15)
+        ax.set_ylabel("ms")
+        ax.set_title(f"{title} percentiles (lower is better)")
+        ax.legend()
+    wl = report.get("workload", {})
+    fig.suptitle(f"tokenloom bench offline: {wl.get('num_requests', '?')} requests, prompts {wl.get('prompt_len', '?')}, "
+                 f"outputs {wl.get('output_len', '?')} tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return series
+
+
+def plot_peers(report: dict, path: str) -> list[str]:
+    """Output tokens/s per system, tokenloom's ratio to each written on its bar."""
+    plt = _pyplot()
+    rows = report["results"]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    names = [r["system"] for r in rows]
+    vals = [r["output_tok_s"] for r in rows]
+    bars = ax.bar(names, vals, color=["#3b7dd8" if n.startswith("tokenloom") else "#b0b0b0" for n in names])
+    for bar, r in zip(bars, rows, strict=True):
+        ax.annotate(f"{r['output_tok_s']:.0f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title("Same workload, same threads: tokenloom vs peers")
+    plt.setp(ax.get_xticklabels(), rotation=15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return names

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Build llama.cpp's `llama-server` for `tokenloom bench peers`, from the llama.cpp sources
+# that ship inside the llama-cpp-python sdist on PyPI (no other download needed).
+# Usage: scripts/build-llama-server.sh [DEST]   (default .peers; ~5-7 minutes on 2 cores)
+set -euo pipefail
+DEST=${1:-.peers}
+VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+PY=${PYTHON:-python3}
+mkdir -p "$DEST/src"
+if [ ! -f "$DEST/src/llama_cpp_python-$VERSION.tar.gz" ]; then
+    "$PY" -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$DEST/src"
+fi
+tar xzf "$DEST/src/llama_cpp_python-$VERSION.tar.gz" -C "$DEST/src"
+SRC="$DEST/src/llama_cpp_python-$VERSION/vendor/llama.cpp"
+cmake -S "$SRC" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON > "$DEST/cmake.log"
+cmake --build "$DEST/build" --target llama-server -j "$(nproc)" >> "$DEST/cmake.log"
+cp "$DEST/build/bin/llama-server" "$DEST/llama-server"
+echo "built $DEST/llama-server"

@@ -1,0 +1,116 @@
+"""Regenerate the README's results section: `make results` (or python scripts/update_results.py).
+
+Runs the bench commands on the embedded model, keeps their JSON under bench-results/,
+and rewrites the README between the results markers with the figures, the date and the
+machine. Peers appear when installed (pip install -e '.[peers]'; scripts/build-llama-server.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench-results"
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def bench(name: str, *args: str) -> dict:
+    path = OUT / f"{name}.json"
+    cmd = [sys.executable, "-m", "tokenloom.protocols.cli", "bench", *args, "--json", str(path)]
+    print("$ tokenloom bench " + " ".join(args), flush=True)
+    subprocess.run(cmd, check=True)
+    return json.loads(path.read_text())
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
+        isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    except (OSError, StopIteration):
+        isa = "?"
+    import torch
+
+    return f"{cpu} ({isa}), {torch.get_num_threads()} threads, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def render(decode: dict, offline: dict, shared: dict, multi: dict, peers: dict | None) -> str:
+    today = datetime.date.today().isoformat()
+    lines = [START, f"_Generated {today} by `make results` on {machine()}; model SmolLM2-135M-Instruct "
+                    f"(Q4_1 GGUF, dequantised to {decode['dtype']})._", ""]
+    lines += ["**Decode** (`tokenloom bench decode`): weights "
+              f"{decode['weight_bytes'] / 1e6:.0f} MB, read bandwidth {decode['read_bandwidth_gbs']:.1f} GB/s, "
+              f"floor {decode['floor_ms_per_token']:.1f} ms/token.", "",
+              "| batch | decode tok/s | ms/step | share of bandwidth floor |", "| --- | --- | --- | --- |"]
+    for r in decode["results"]:
+        share = f"{100 * r['fraction_of_floor']:.0f}%" if "fraction_of_floor" in r else "-"
+        lines.append(f"| {r['batch_size']} | {r['decode_tok_s']:.1f} | {r['ms_per_step']:.0f} | {share} |")
+    wl = offline["workload"]
+    lines += ["", f"**Offline** (`tokenloom bench offline`): {wl['num_requests']} requests, prompts "
+                  f"{wl['prompt_len']}, outputs {wl['output_len']} tokens, EOS ignored.", "",
+              "| combination | output tok/s | vs first | TTFT p50 / p99 ms | TPOT p50 / p99 ms | peak KV | preemptions |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in offline["results"]:
+        t, p = r["ttft_ms"], r["tpot_ms"]
+        lines.append(f"| {r['combo']} | {r['output_tok_s']:.1f} | {r['ratio_output_tok_s']:.2f}x | "
+                     f"{t['p50']:.0f} / {t['p99']:.0f} | {p['p50']:.0f} / {p['p99']:.0f} | "
+                     f"{100 * r['peak_kv_usage']:.0f}% | {r['preemptions']} |")
+    lines += ["", "**Prefix caching** (`tokenloom bench prefix`): a shared 1,000-token system prompt with short "
+                  "user turns (TTFT), and multi-turn chats (hit rate).", "",
+              "| cache | shared-system TTFT mean / p50 ms | speedup | multi-turn hit rate |", "| --- | --- | --- | --- |"]
+    hits = {r["combo"]: r["hit_rate"] for r in multi["results"]}
+    for r in shared["results"]:
+        t = r["ttft_ms"]
+        hit = f"{100 * hits[r['combo']]:.1f}%" if r["combo"] in hits else "-"
+        lines.append(f"| {r['combo']} | {t['mean']:.0f} / {t['p50']:.0f} | {r['ttft_speedup']:.1f}x | {hit} |")
+    if peers:
+        w = peers["workload"]
+        lines += ["", f"**Peers** (`tokenloom bench peers`): {w['num_requests']} requests, prompts {w['prompt_len']}, "
+                      f"outputs {w['output_len']}, {peers['threads']} threads.", "",
+                  "| system | output tok/s | tokenloom is | note |", "| --- | --- | --- | --- |"]
+        for r in peers["results"]:
+            lines.append(f"| {r['system']} | {r['output_tok_s']:.1f} | {r['tokenloom_ratio']:.2f}x | {r['note']} |")
+        for s in peers["skipped"]:
+            lines.append(f"| {s} | not installed | | |")
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="smaller workloads (a few minutes)")
+    ap.add_argument("--no-peers", action="store_true")
+    args = ap.parse_args()
+    OUT.mkdir(exist_ok=True)
+    n, plen, olen = ("16", "32-256", "32-128") if args.quick else ("64", "32-512", "32-256")
+    decode = bench("decode", "decode", "--batch-sizes", "1,32", "--gen", "64")
+    offline = bench("offline", "offline", "--combo", "continuous+paged", "--combo", "static+contiguous",
+                    "--num-requests", n, "--prompt-len", plen, "--output-len", olen,
+                    "--plot", str(OUT / "offline.png"))
+    shared = bench("prefix-shared", "prefix", "--workload", "shared-system", "--num-requests", "16")
+    multi = bench("prefix-multi", "prefix", "--workload", "multi-turn", "--combos", "paged,radix")
+    peers = None if args.no_peers else bench("peers", "peers", "--num-requests", n, "--prompt-len", plen,
+                                             "--output-len", olen, "--plot", str(OUT / "peers.png"))
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    if START not in text or END not in text:
+        raise SystemExit("README.md has no results markers")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(head + render(decode, offline, shared, multi, peers) + tail)
+    print("README.md results section updated")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
