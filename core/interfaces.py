@@ -59,7 +59,7 @@ class CacheManager(Protocol):
 
     def free(self, seq: Sequence) -> None: ...
 
-    def peek_prefix(self, seq: Sequence) -> int:
+    def match_prefix(self, seq: Sequence) -> int:
         """Prompt tokens a claim would find cached right now (read-only; 0 without caching)."""
 
     def claim_prefix(self, seq: Sequence) -> int:

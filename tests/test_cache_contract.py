@@ -49,7 +49,7 @@ class CacheContract(RuleBasedStateMachine):
     def admit(self, stem, tail, max_tokens, salt):
         seq = Sequence("r", stem + tail, SamplingParams(max_tokens=max_tokens), cache_salt=salt)
         if self.cache.can_ever_fit(seq):
-            peek = self.cache.peek_prefix(seq)
+            peek = self.cache.match_prefix(seq)
             self._admit(seq)
             assert peek <= seq.num_tokens - 1
 

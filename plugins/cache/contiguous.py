@@ -62,7 +62,7 @@ class ContiguousCacheManager:
         return True
 
     # A reservation is private to its sequence: nothing can be shared, so no prefix cache.
-    def peek_prefix(self, seq: Sequence) -> int:
+    def match_prefix(self, seq: Sequence) -> int:
         return 0
 
     def claim_prefix(self, seq: Sequence) -> int:

@@ -72,7 +72,7 @@ class PagedCacheManager:
             parent = key
         return blocks
 
-    def peek_prefix(self, seq: Sequence) -> int:
+    def match_prefix(self, seq: Sequence) -> int:
         """Tokens of ``seq`` a claim would find cached now (read-only)."""
         if not self.caching or seq.num_computed_tokens:
             return 0

@@ -156,7 +156,7 @@ class RadixCacheManager:
         return sum(1 for b in range(self.num_blocks) if self._ref[b] and held[b] == self._ref[b])
 
     # ---- the cache-manager contract ---------------------------------------------------
-    def peek_prefix(self, seq: Sequence) -> int:
+    def match_prefix(self, seq: Sequence) -> int:
         if seq.num_computed_tokens:
             return 0
         return len(self._match(self._root(seq.cache_salt), seq.token_ids, seq.num_tokens - 1, split=False)[1])

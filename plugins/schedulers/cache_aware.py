@@ -36,7 +36,7 @@ class CacheAwareScheduler(ContinuousScheduler):
         for seq in candidates:  # preempted first, then anyone passed over too often (FCFS)
             if seq.status is SequenceStatus.PREEMPTED or self._skips.get(seq.seq_id, 0) >= self.max_skips:
                 return self._pick(seq, candidates)
-        best = max(candidates, key=lambda s: (self.cache.peek_prefix(s), -s.arrival_time))
+        best = max(candidates, key=lambda s: (self.cache.match_prefix(s), -s.arrival_time))
         return self._pick(best, candidates)
 
     def _pick(self, chosen: Sequence, candidates: list[Sequence]) -> Sequence:
