@@ -17,6 +17,7 @@ from tokenloom.core.build import EngineParts, build_engine_parts
 from tokenloom.core.config import EngineConfig
 from tokenloom.core.detokenizer import IncrementalDetokenizer
 from tokenloom.core.errors import ClientError, EngineDeadError, RequestTooLong
+from tokenloom.core.inputs import encode_prompt
 from tokenloom.core.metrics import EngineCounters, RequestTimer, StepStats
 from tokenloom.core.outputs import Finished, Logprob, TokenDelta, TokenLogprobs, Usage
 from tokenloom.core.plugins import PluginManager
@@ -24,7 +25,6 @@ from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.core.sequence import FINISH_REASONS, Batch, Sequence, SequenceStatus
 
 log = structlog.get_logger("tokenloom.engine")
-MAX_PROMPT_CHARS = 1 << 22
 
 
 @dataclass(eq=False, slots=True)
@@ -76,25 +76,7 @@ class AsyncEngine:
                 self.pm.hook.engine_started(config=self.config, engine=self)
 
     def prompt_ids(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:
-        if (prompt is None) == (messages is None):
-            raise ClientError("give exactly one of prompt or messages", param="prompt")
-        if messages is not None:
-            if not isinstance(messages, list) or not messages:
-                raise ClientError.bad_value("messages", messages, "a non-empty list of {role, content}")
-            prompt = self.tokenizer.apply_chat_template(messages)
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ClientError("prompt must not be empty", param="prompt", value=prompt)
-            if len(prompt) > MAX_PROMPT_CHARS:
-                raise RequestTooLong(f"prompt has {len(prompt)} characters, over {MAX_PROMPT_CHARS}", param="prompt")
-            return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, list) or not prompt:
-            raise ClientError.bad_value("prompt", prompt, "a non-empty string or list of token ids")
-        vocab = self.model_config.vocab_size
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ClientError.bad_value("prompt", t, f"token ids in [0, {vocab})")
-        return list(prompt)
+        return encode_prompt(self.tokenizer, self.model_config.vocab_size, prompt, messages)
 
     def submit(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
                messages: list[dict] | None = None, request_id: str | None = None,
