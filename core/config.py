@@ -179,12 +179,17 @@ def parse_override(item: str) -> dict[str, Any]:
         parsed = tomllib.loads(f"v = {value}")["v"]
     except tomllib.TOMLDecodeError:
         parsed = value  # a bare string
-    parts = key.strip().split(".")
+    return nested(key.strip(), parsed)
+
+
+def nested(dotted_key: str, value: Any) -> dict[str, Any]:
+    """``nested("scheduler.max_num_seqs", 8)`` -> ``{"scheduler": {"max_num_seqs": 8}}``."""
+    parts = dotted_key.split(".")
     out: dict[str, Any] = {}
     node = out
     for part in parts[:-1]:
         node = node.setdefault(part, {})
-    node[parts[-1]] = parsed
+    node[parts[-1]] = value
     return out
 
 

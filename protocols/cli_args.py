@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tokenloom.core.config import merge_layers, parse_override
+from tokenloom.core.config import merge_layers, nested, parse_override
 
 # flag dest -> dotted config key
 ENGINE_FLAGS = {
@@ -59,16 +59,6 @@ def flags_layer(args: argparse.Namespace) -> dict[str, Any]:
     for dest, key in ENGINE_FLAGS.items():
         value = getattr(args, dest, None)
         if value is not None:
-            layers.append(_nested(key, value))
+            layers.append(nested(key, value))
     layers += [parse_override(item) for item in args.set]
     return merge_layers(*layers)
-
-
-def _nested(key: str, value: Any) -> dict[str, Any]:
-    parts = key.split(".")
-    out: dict[str, Any] = {}
-    node = out
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    node[parts[-1]] = value
-    return out
