@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Sequence as Seq
 
 from tokenloom.core.engine import AsyncEngine
-from tokenloom.core.outputs import Finished, TokenDelta
+from tokenloom.core.outputs import Finished
 from tokenloom.core.sampling_params import SamplingParams
 
 
@@ -46,17 +46,23 @@ class LLM:
         return self._loop.run_until_complete(self._run(inputs, list(params)))
 
     async def _run(self, inputs: list[dict], params: list[SamplingParams]) -> list[Finished]:
-        streams = [self.engine.submit(params=sp, **inp)
-                   for inp, sp in zip(inputs, params, strict=True)]
+        streams = []
+        try:
+            for inp, sp in zip(inputs, params, strict=True):
+                streams.append(self.engine.submit(params=sp, **inp))
+        except Exception:  # one bad request: the ones already accepted must not run on
+            for req in streams:
+                self.engine.abort(req.seq.request_id)
+            await asyncio.gather(*(self._drain(r) for r in streams))
+            raise
+        return list(await asyncio.gather(*(self._drain(r) for r in streams)))
 
-        async def drain(req) -> Finished:
-            while True:
-                item = await req.queue.get()
-                if isinstance(item, Finished):
-                    return item
-                assert isinstance(item, TokenDelta)
-
-        return list(await asyncio.gather(*(drain(r) for r in streams)))
+    @staticmethod
+    async def _drain(req) -> Finished:
+        while True:
+            item = await req.queue.get()
+            if isinstance(item, Finished):
+                return item
 
     def close(self) -> None:
         self._loop.run_until_complete(self.engine.shutdown())

@@ -169,3 +169,13 @@ def test_chat_messages_use_the_template(make_llm):
     llm = make_llm()
     ids = llm.engine.prompt_ids(messages=[{"role": "user", "content": "hi"}])
     assert llm.tokenizer.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_bad_request_in_a_batch_leaves_nothing_running(make_llm):
+    llm = make_llm()
+    params = [SamplingParams(max_tokens=50, ignore_eos=True), SamplingParams(max_tokens=50, ignore_eos=True),
+              SamplingParams(temperature=-1)]
+    with pytest.raises(ClientError):
+        llm.generate([[1, 2], [3, 4], [5, 6]], params)
+    assert llm.engine.num_unfinished == 0
+    assert llm.engine.cache.stats().num_free_blocks == llm.engine.cache.num_blocks
