@@ -149,8 +149,7 @@ class TorchBackend:
         return out.view(kv_heads, B, group, D).transpose(0, 1).reshape(B, H, D)
 
     def rms_norm(self, x, weight, eps: float):
-        xf = x.float()
-        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight
+        return F.rms_norm(x.float(), (x.shape[-1],), weight, eps)
 
     def pack_linear(self, weight):
         """Called once per weight at load time; returns what ``linear`` will be given."""

@@ -47,10 +47,10 @@ class LlamaLayer(nn.Module):
         T = h.shape[0]
         x = backend.rms_norm(h, self.input_norm, cfg.rms_norm_eps).to(dtype)
         qkv = backend.linear(x, self.qkv).float()
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = apply_rope(q.view(T, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.view(T, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+        # q and k rotate together: one RoPE over [T, heads + kv_heads, head_dim]
+        qk = apply_rope(qkv[:, :cfg.q_size + cfg.kv_size].view(T, -1, cfg.head_dim), cos, sin)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
         k, v, q = k.to(k_cache.dtype), v.to(v_cache.dtype), q.to(k_cache.dtype)
         backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         attn = backend.attention(q, k, v, k_cache, v_cache, meta, cfg.head_dim**-0.5)
