@@ -102,3 +102,26 @@ def test_offline_plot_is_a_png_with_the_expected_series(tmp_path):
     assert img.shape[0] > 300 and img.shape[1] > 1000
     assert series == {"throughput": ["output tok/s", "total tok/s"], "ttft": ["p50", "p90", "p99"],
                       "tpot": ["p50", "p90", "p99"]}
+
+
+def test_peers_runs_tokenloom_and_transformers_on_the_same_workload(tiny_model_dir, tmp_path):
+    import argparse
+
+    from tokenloom.protocols.bench.peers import format_peers, run_peers
+    from tokenloom.protocols.bench.plot import plot_peers
+
+    from conftest import tiny_engine_kwargs
+
+    args = argparse.Namespace(config=None, threads=2, num_requests=6, prompt_len="4-12", output_len="3-6",
+                              workload_seed=0, parallel=2, hf_batch_size=4, llama_server=None,
+                              skip=["llama-cpp-python", "llama-server"])
+    flags = tiny_engine_kwargs(tiny_model_dir)
+    report = run_peers(args, flags, PluginManager(load_entry_points=False))
+    systems = [r["system"] for r in report["results"]]
+    assert systems == ["tokenloom continuous+paged", "transformers generate (static batch 4)"]
+    assert report["results"][0]["tokenloom_ratio"] == 1.0
+    assert report["results"][1]["tokenloom_ratio"] == pytest.approx(
+        report["results"][0]["output_tok_s"] / report["results"][1]["output_tok_s"])
+    assert "tokenloom is" in format_peers(report)
+    assert plot_peers(report, str(tmp_path / "p.png")) == systems
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

@@ -39,14 +39,17 @@ def _row(system: str, workload: list[BenchRequest], elapsed: float, note: str = 
             "total_tok_s": (out + prompt) / elapsed, "note": note}
 
 
-def run_tokenloom(args, flags, pm, workload) -> dict:
+def run_tokenloom(args, flags, pm) -> tuple[dict, list[BenchRequest]]:
     from tokenloom import LLM
 
     recorder = StepRecorder()
     pm.register(recorder, name="bench-peers-recorder")
     llm = LLM(config_file=args.config, flags=flags, plugin_manager=pm)
     try:
-        run_workload(llm, [BenchRequest(list(range(300, 316)), 4)], recorder)
+        vocab = llm.engine.model_config.vocab_size
+        workload = make_workload(args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len),
+                                 seed=args.workload_seed, token_range=(min(200, vocab // 2), min(40000, vocab)))
+        run_workload(llm, [BenchRequest([(300 + i) % vocab for i in range(16)], 4)], recorder)
         res = run_workload(llm, workload, recorder)
         sched = llm.engine.config.scheduler.name
         cache = llm.engine.config.cache_manager.name
@@ -54,7 +57,7 @@ def run_tokenloom(args, flags, pm, workload) -> dict:
     finally:
         llm.close()
         pm.pm.unregister(recorder)
-    return _row(f"tokenloom {sched}+{cache}", workload, res["elapsed_s"], dtype)
+    return _row(f"tokenloom {sched}+{cache}", workload, res["elapsed_s"], dtype), workload
 
 
 def run_llama_cpp_single(model_path: Path, workload, threads: int) -> dict | None:
@@ -160,10 +163,9 @@ def run_peers(args, flags: dict, pm: PluginManager) -> dict:
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     flags = merge_layers(flags, {"num_threads": threads})
-    workload = make_workload(args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len),
-                             seed=args.workload_seed)
     model_path = resolve_model_path(flags.get("model", "smollm2-135m"))
-    rows = [run_tokenloom(args, flags, pm, workload)]
+    first, workload = run_tokenloom(args, flags, pm)
+    rows = [first]
     print(f"  {rows[-1]['system']}: {rows[-1]['output_tok_s']:.1f} output tok/s", flush=True)
     skipped = []
     if "llama-cpp-python" not in args.skip:
