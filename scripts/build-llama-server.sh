@@ -15,5 +15,5 @@ SRC="$DEST/src/llama_cpp_python-$VERSION/vendor/llama.cpp"
 cmake -S "$SRC" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON > "$DEST/cmake.log"
 cmake --build "$DEST/build" --target llama-server -j "$(nproc)" >> "$DEST/cmake.log"
-cp "$DEST/build/bin/llama-server" "$DEST/llama-server"
+ln -sf build/bin/llama-server "$DEST/llama-server"  # it links to the shared libs beside it
 echo "built $DEST/llama-server"

@@ -96,7 +96,7 @@ def run_llama_server(binary: str, model_path: Path, workload, threads: int, para
     ctx_per_seq = max(len(r.prompt_token_ids) + r.max_tokens for r in workload) + 16
     port = _free_port()
     cmd = [binary, "-m", str(model_path), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-           "-tb", str(threads), "--parallel", str(parallel), "-c", str(ctx_per_seq * parallel), "-fa", "on",
+           "-tb", str(threads), "--parallel", str(parallel), "-c", str(ctx_per_seq * parallel), "-fa", "on", "--no-kv-unified",
            "--no-warmup", "-b", "512"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -127,7 +127,7 @@ def run_llama_server(binary: str, model_path: Path, workload, threads: int, para
         proc.wait(timeout=30)
     short = sum(p < r.max_tokens for p, r in zip(produced, workload, strict=True))
     return _row(f"llama.cpp (llama-server, {parallel} parallel)", workload, elapsed,
-                "flash-attn on" + (f"; {short} requests short" if short else ""))
+                "flash-attn on, per-slot KV" + (f"; {short} requests short" if short else ""))
 
 
 def run_transformers(model_path: Path, workload, batch_size: int) -> dict | None:
