@@ -196,10 +196,11 @@ class AsyncEngine:
         c.generated_tokens += generated
         c.busy_time_s += step_time
         c.preemptions += len(batch.preempted)
-        cache_stats = self.cache.stats()
-        c.peak_kv_usage = max(c.peak_kv_usage, cache_stats.usage)
+        num_blocks = self.cache.num_blocks
+        c.peak_kv_usage = max(c.peak_kv_usage, (num_blocks - self.cache.num_free_blocks) / num_blocks)
         c.peak_running = max(c.peak_running, len(batch.seqs))
-        if self._observe_steps:
+        if self._observe_steps:  # full stats only for observers: a radix cache walks its tree
+            cache_stats = self.cache.stats()
             self.pm.hook.step_finished(stats=StepStats(
                 c.steps, step_time * 1e3, self.scheduler.num_running, self.scheduler.num_waiting,
                 batch.num_batched_tokens, prefill_tokens, decode_seqs, generated, len(batch.preempted),

@@ -48,6 +48,10 @@ class CacheManager(Protocol):
     block_size: int
     num_blocks: int
 
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks available right now (cheap: the engine reads it every step)."""
+
     def can_ever_fit(self, seq: Sequence) -> bool:
         """Could ``seq`` at its maximum length fit an otherwise empty cache?"""
 

@@ -20,8 +20,14 @@ OUT = ROOT / "bench-results"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
 
+REUSE = False
+
+
 def bench(name: str, *args: str) -> dict:
     path = OUT / f"{name}.json"
+    if REUSE and path.exists():
+        print(f"reusing {path.relative_to(ROOT)}", flush=True)
+        return json.loads(path.read_text())
     cmd = [sys.executable, "-m", "tokenloom.protocols.cli", "bench", *args, "--json", str(path)]
     print("$ tokenloom bench " + " ".join(args), flush=True)
     subprocess.run(cmd, check=True)
@@ -81,7 +87,7 @@ def render(decode: dict, offline: dict, shared: dict, multi: dict, peers: dict |
         for r in peers["results"]:
             lines.append(f"| {r['system']} | {r['output_tok_s']:.1f} | {r['tokenloom_ratio']:.2f}x | {r['note']} |")
         for s in peers["skipped"]:
-            lines.append(f"| {s} | not installed | | |")
+            lines.append(f"| {s} | - | | skipped |")
     lines.append(END)
     return "\n".join(lines)
 
@@ -90,12 +96,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="smaller workloads (a few minutes)")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--reuse", action="store_true", help="keep bench-results/*.json that exist; run the rest")
     args = ap.parse_args()
+    global REUSE
+    REUSE = args.reuse
     OUT.mkdir(exist_ok=True)
+    # --quick keeps 64 requests for the offline comparison (fewer would fit one static batch
+    # and hide what continuous batching changes) but shortens them, and runs 16 for peers.
     n, plen, olen = ("16", "32-256", "32-128") if args.quick else ("64", "32-512", "32-256")
     decode = bench("decode", "decode", "--batch-sizes", "1,32", "--gen", "64")
     offline = bench("offline", "offline", "--combo", "continuous+paged", "--combo", "static+contiguous",
-                    "--num-requests", n, "--prompt-len", plen, "--output-len", olen,
+                    "--num-requests", "64", "--prompt-len", plen, "--output-len", olen,
                     "--plot", str(OUT / "offline.png"))
     shared = bench("prefix-shared", "prefix", "--workload", "shared-system", "--num-requests", "16")
     multi = bench("prefix-multi", "prefix", "--workload", "multi-turn", "--combos", "paged,radix")

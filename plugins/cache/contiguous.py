@@ -20,6 +20,7 @@ class ContiguousCacheManager:
     def __init__(self, options: ContiguousOptions | None, num_blocks: int, block_size: int):
         self.num_blocks, self.block_size = num_blocks, block_size
         self._used = bytearray(num_blocks)  # 1 where a block is reserved
+        self.num_free_blocks = num_blocks
         self._runs: dict[int, tuple[int, int]] = {}  # seq_id -> (first block, count)
         self._num_tokens: dict[int, int] = {}
 
@@ -54,6 +55,7 @@ class ContiguousCacheManager:
                 return False
             self._used[start:start + count] = b"\x01" * count
             self._runs[seq.seq_id] = (start, count)
+            self.num_free_blocks -= count
         start, count = self._runs[seq.seq_id]
         total = seq.num_computed_tokens + num_new_tokens
         if total > count * self.block_size:
@@ -76,6 +78,7 @@ class ContiguousCacheManager:
         if run is not None:
             start, count = run
             self._used[start:start + count] = bytes(count)
+            self.num_free_blocks += count
         self._num_tokens.pop(seq.seq_id, None)
 
     def block_table(self, seq: Sequence) -> list[int]:
@@ -96,6 +99,7 @@ class ContiguousCacheManager:
                 assert not marks[b], f"block {b} reserved twice"
                 marks[b] = 1
         assert marks == self._used, "reservation map disagrees with the runs"
+        assert self.num_free_blocks == self.num_blocks - sum(marks), "free count drifted"
         for sid, n in self._num_tokens.items():
             assert n <= self._runs[sid][1] * self.block_size, f"seq {sid} overflows its run"
 

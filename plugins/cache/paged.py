@@ -128,6 +128,10 @@ class PagedCacheManager:
         return block
 
     # ---- allocation -------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
     def can_ever_fit(self, seq: Sequence) -> bool:
         return cdiv(seq.max_len, self.block_size) <= self.num_blocks
 

@@ -197,6 +197,10 @@ class RadixCacheManager:
         out, self._copies = self._copies, []
         return out
 
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
     def can_ever_fit(self, seq: Sequence) -> bool:
         return cdiv(seq.max_len, self.block_size) <= self.num_blocks
 

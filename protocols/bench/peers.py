@@ -168,18 +168,24 @@ def run_peers(args, flags: dict, pm: PluginManager) -> dict:
     rows = [first]
     print(f"  {rows[-1]['system']}: {rows[-1]['output_tok_s']:.1f} output tok/s", flush=True)
     skipped = []
-    if "llama-cpp-python" not in args.skip:
-        row = run_llama_cpp_single(model_path, workload, threads)
-        (rows.append(row) if row else skipped.append("llama-cpp-python (pip install -e '.[peers]')"))
-    if "llama-server" not in args.skip:
-        binary = find_llama_server(args.llama_server)
-        if binary:
-            rows.append(run_llama_server(binary, model_path, workload, threads, args.parallel))
-        else:
-            skipped.append("llama-server (scripts/build-llama-server.sh)")
-    if "transformers" not in args.skip:
-        row = run_transformers(model_path, workload, args.hf_batch_size)
-        (rows.append(row) if row else skipped.append("transformers (pip install transformers)"))
+
+    def attempt(name: str, hint: str, run) -> None:
+        if name in args.skip:
+            return
+        try:
+            row = run()
+        except Exception as exc:  # one broken peer must not cost the others' figures
+            skipped.append(f"{name}: failed ({type(exc).__name__}: {str(exc)[:160]})")
+            return
+        (rows.append(row) if row else skipped.append(f"{name}: not installed ({hint})"))
+
+    attempt("llama-cpp-python", "pip install -e '.[peers]'",
+            lambda: run_llama_cpp_single(model_path, workload, threads))
+    binary = find_llama_server(args.llama_server)
+    attempt("llama-server", "scripts/build-llama-server.sh",
+            lambda: binary and run_llama_server(binary, model_path, workload, threads, args.parallel))
+    attempt("transformers", "pip install -e '.[peers]'",
+            lambda: run_transformers(model_path, workload, args.hf_batch_size))
     for r in rows[1:]:
         print(f"  {r['system']}: {r['output_tok_s']:.1f} output tok/s", flush=True)
     ours = rows[0]["output_tok_s"]
@@ -198,5 +204,5 @@ def format_peers(report: dict) -> str:
         lines.append(f"{r['system']:<44} {r['output_tok_s']:>9.1f} {r['total_tok_s']:>11.1f} "
                      f"{r['tokenloom_ratio']:>12.2f}x  {r['note']}")
     for s in report["skipped"]:
-        lines.append(f"skipped (not installed): {s}")
+        lines.append(f"skipped: {s}")
     return "\n".join(lines)

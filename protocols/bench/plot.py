@@ -30,7 +30,7 @@ def plot_offline(report: dict, path: str) -> dict[str, list[str]]:
     ax1.set_xticks(list(x), names, rotation=15)
     ax1.set_ylabel("tokens / s")
     ax1.set_title("Throughput (higher is better)")
-    ax1.legend()
+    ax1.legend(loc="lower right")
     series = {"throughput": ["output tok/s", "total tok/s"], "ttft": [], "tpot": []}
     for ax, key, title in ((ax2, "ttft_ms", "TTFT ms"), (ax3, "tpot_ms", "TPOT ms")):
         pcts = ("p50", "p90", "p99")
