@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from tokenloom.core.outputs import Usage
 from tokenloom.core.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -82,12 +83,6 @@ class Delta(msgspec.Struct, tag="delta", frozen=True, kw_only=True):
     logprobs: list[LogprobOut] | None = None
 
 
-class UsageOut(msgspec.Struct, frozen=True, kw_only=True):
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-
-
 class MetricsOut(msgspec.Struct, frozen=True, kw_only=True):
     ttft_ms: float | None
     tpot_ms: float | None
@@ -97,7 +92,7 @@ class MetricsOut(msgspec.Struct, frozen=True, kw_only=True):
 class Done(msgspec.Struct, tag="done", frozen=True, kw_only=True):
     id: str
     finish_reason: str  # stop | length | cancelled | aborted | error
-    usage: UsageOut
+    usage: Usage  # the engine's own struct: prompt, cached and completion tokens
     metrics: MetricsOut
     error: str | None = None
 

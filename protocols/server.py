@@ -39,7 +39,6 @@ from tokenloom.protocols.messages import (
     Ping,
     Pong,
     Session,
-    UsageOut,
     decode_client,
     encode,
 )
@@ -244,10 +243,8 @@ class Connection:
     def _done(self, rid: str, f: Finished) -> None:
         reason = "cancelled" if f.finish_reason == "aborted" and rid in self.cancelled else f.finish_reason
         self.server.metrics.observe_finished(reason, f)
-        u, m = f.usage, f.metrics
-        self.out.put(Done(id=rid, finish_reason=reason,
-                          usage=UsageOut(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
-                                         completion_tokens=u.completion_tokens),
+        m = f.metrics
+        self.out.put(Done(id=rid, finish_reason=reason, usage=f.usage,
                           metrics=MetricsOut(ttft_ms=m.ttft_ms, tpot_ms=m.tpot_ms, e2e_ms=m.e2e_ms),
                           error=f.error))
 

@@ -81,58 +81,41 @@ def _default_rates(args):
     return args
 
 
-def cmd_prefix(args: argparse.Namespace) -> int:
+def _report(args: argparse.Namespace, module: str, run: str, fmt: str, plot: str | None = None) -> dict:
+    """Run one engine-backed bench, print its table, write --json and, if asked, --plot."""
+    import importlib
+
     from tokenloom.core.plugins import PluginManager
     from tokenloom.protocols.bench.offline import write_json
-    from tokenloom.protocols.bench.prefix import format_prefix, run_prefix
     from tokenloom.protocols.cli_args import flags_layer
 
-    report = run_prefix(args, flags_layer(args), PluginManager())
-    print(format_prefix(report))
+    mod = importlib.import_module(f"tokenloom.protocols.bench.{module}")
+    report = getattr(mod, run)(args, flags_layer(args), PluginManager())
+    print(getattr(mod, fmt)(report))
     write_json(report, args.json)
+    if plot and getattr(args, "plot", None):
+        from tokenloom.protocols.bench import plot as plots
+
+        getattr(plots, plot)(report, args.plot)
+        print(f"plot written to {args.plot}")
+    return report
+
+
+def cmd_prefix(args: argparse.Namespace) -> int:
+    _report(args, "prefix", "run_prefix", "format_prefix")
     return 0
 
 
 def cmd_peers(args: argparse.Namespace) -> int:
-    from tokenloom.core.plugins import PluginManager
-    from tokenloom.protocols.bench.offline import write_json
-    from tokenloom.protocols.bench.peers import format_peers, run_peers
-    from tokenloom.protocols.cli_args import flags_layer
-
-    report = run_peers(args, flags_layer(args), PluginManager())
-    print(format_peers(report))
-    write_json(report, args.json)
-    if args.plot:
-        from tokenloom.protocols.bench.plot import plot_peers
-
-        plot_peers(report, args.plot)
-        print(f"plot written to {args.plot}")
+    _report(args, "peers", "run_peers", "format_peers", plot="plot_peers")
     return 0
 
 
 def cmd_offline(args: argparse.Namespace) -> int:
-    from tokenloom.core.plugins import PluginManager
-    from tokenloom.protocols.bench.offline import format_table, run_offline, write_json
-    from tokenloom.protocols.cli_args import flags_layer
-
-    report = run_offline(args, flags_layer(args), PluginManager())
-    print(format_table(report))
-    write_json(report, args.json)
-    if args.plot:
-        from tokenloom.protocols.bench.plot import plot_offline
-
-        plot_offline(report, args.plot)
-        print(f"plot written to {args.plot}")
+    report = _report(args, "offline", "run_offline", "format_table", plot="plot_offline")
     return 0 if all(r["failed"] == 0 for r in report["results"]) else 1
 
 
 def cmd_decode(args: argparse.Namespace) -> int:
-    from tokenloom.core.plugins import PluginManager
-    from tokenloom.protocols.bench.decode import format_decode, run_decode
-    from tokenloom.protocols.bench.offline import write_json
-    from tokenloom.protocols.cli_args import flags_layer
-
-    report = run_decode(args, flags_layer(args), PluginManager())
-    print(format_decode(report))
-    write_json(report, args.json)
+    _report(args, "decode", "run_decode", "format_decode")
     return 0
