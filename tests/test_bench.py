@@ -125,3 +125,26 @@ def test_peers_runs_tokenloom_and_transformers_on_the_same_workload(tiny_model_d
     assert "tokenloom is" in format_peers(report)
     assert plot_peers(report, str(tmp_path / "p.png")) == systems
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_offline_and_decode_commands_on_a_tiny_model(tiny_model_dir, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "tokenloom.protocols.cli", "bench"]
+    model = ["--model", str(tiny_model_dir), "--dtype", "float32", "--num-kv-blocks", "64"]
+    out = subprocess.run([*base, "offline", "--num-requests", "5", "--prompt-len", "4-9", "--output-len", "2-4",
+                          "--combo", "continuous+radix", "--combo", "static+contiguous", "--json",
+                          str(tmp_path / "o.json"), *model], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads((tmp_path / "o.json").read_text())
+    assert [r["combo"] for r in report["results"]] == ["continuous+radix", "static+contiguous"]
+    assert all(r["requests"] == 5 and r["failed"] == 0 for r in report["results"])
+    assert report["results"][0]["output_tokens"] == report["results"][1]["output_tokens"] == \
+        report["workload"]["output_tokens"]
+    dec = subprocess.run([*base, "decode", "--batch-sizes", "1,3", "--gen", "4", "--json", str(tmp_path / "d.json"),
+                          *model], capture_output=True, text=True, timeout=300)
+    assert dec.returncode == 0, dec.stderr[-2000:]
+    d = json.loads((tmp_path / "d.json").read_text())
+    assert [r["batch_size"] for r in d["results"]] == [1, 3] and "fraction_of_floor" in d["results"][0]

@@ -10,7 +10,7 @@ import torch
 from tokenloom.core.config import merge_layers
 from tokenloom.core.plugins import PluginManager
 from tokenloom.protocols.bench.runner import StepRecorder, run_workload
-from tokenloom.protocols.bench.workload import BenchRequest, make_workload
+from tokenloom.protocols.bench.workload import BenchRequest, make_workload, token_range_for
 
 
 def read_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -37,7 +37,8 @@ def run_decode(args, flags: dict, pm: PluginManager) -> dict:
         run_workload(llm, [BenchRequest([100 + i for i in range(16)], 8)], recorder)  # warm-up
         results = []
         for b in sizes:
-            work = make_workload(b, (args.prompt_len, args.prompt_len), (args.gen, args.gen), seed=b)
+            work = make_workload(b, (args.prompt_len, args.prompt_len), (args.gen, args.gen), seed=b,
+                                 token_range=token_range_for(llm.engine.model_config.vocab_size))
             res = run_workload(llm, work, recorder)
             results.append({"batch_size": b, "decode_tok_s": res["decode_tok_s"],
                             "ms_per_step": 1e3 * b / res["decode_tok_s"] if res["decode_tok_s"] else None,

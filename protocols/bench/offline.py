@@ -11,7 +11,12 @@ from tokenloom.core.errors import ConfigError
 from tokenloom.core.plugins import ROLE_LABELS, PluginManager
 from tokenloom.protocols.bench.runner import StepRecorder, run_workload
 from tokenloom.protocols.bench.stats import ratio
-from tokenloom.protocols.bench.workload import BenchRequest, make_workload, parse_range
+from tokenloom.protocols.bench.workload import (
+    BenchRequest,
+    make_workload,
+    parse_range,
+    token_range_for,
+)
 
 
 def parse_combo(spec: str, pm: PluginManager) -> tuple[str, dict]:
@@ -35,8 +40,7 @@ def parse_combo(spec: str, pm: PluginManager) -> tuple[str, dict]:
 def run_offline(args, flags: dict, pm: PluginManager) -> dict:
     from tokenloom import LLM
 
-    workload = make_workload(args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len),
-                             seed=args.workload_seed)
+    workload: list[BenchRequest] = []
     combos = [parse_combo(c, pm) for c in (args.combo or ["continuous+paged"])]
     results = []
     for label, layer in combos:
@@ -45,6 +49,10 @@ def run_offline(args, flags: dict, pm: PluginManager) -> dict:
         try:
             llm = LLM(config_file=args.config, flags=merge_layers(flags, layer), plugin_manager=pm)
             try:
+                if not workload:  # drawn once, from the first model's vocabulary, then shared
+                    workload = make_workload(args.num_requests, parse_range(args.prompt_len),
+                                             parse_range(args.output_len), seed=args.workload_seed,
+                                             token_range=token_range_for(llm.engine.model_config.vocab_size))
                 run_workload(llm, [BenchRequest([100 + i for i in range(16)], 4)] * 2, recorder)  # warm-up
                 res = run_workload(llm, workload, recorder)
                 res["combo"] = label

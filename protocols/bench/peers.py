@@ -29,7 +29,12 @@ from tokenloom.core.loader.resolve import resolve_model_path
 from tokenloom.core.plugins import PluginManager
 from tokenloom.protocols.bench.runner import StepRecorder, run_workload
 from tokenloom.protocols.bench.stats import ratio
-from tokenloom.protocols.bench.workload import BenchRequest, make_workload, parse_range
+from tokenloom.protocols.bench.workload import (
+    BenchRequest,
+    make_workload,
+    parse_range,
+    token_range_for,
+)
 
 
 def _row(system: str, workload: list[BenchRequest], elapsed: float, note: str = "") -> dict:
@@ -48,7 +53,7 @@ def run_tokenloom(args, flags, pm) -> tuple[dict, list[BenchRequest]]:
     try:
         vocab = llm.engine.model_config.vocab_size
         workload = make_workload(args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len),
-                                 seed=args.workload_seed, token_range=(min(200, vocab // 2), min(40000, vocab)))
+                                 seed=args.workload_seed, token_range=token_range_for(vocab))
         run_workload(llm, [BenchRequest([(300 + i) % vocab for i in range(16)], 4)], recorder)
         res = run_workload(llm, workload, recorder)
         sched = llm.engine.config.scheduler.name

@@ -29,6 +29,11 @@ def make_workload(num_requests: int, prompt_len: tuple[int, int], output_len: tu
     return out
 
 
+def token_range_for(vocab_size: int) -> tuple[int, int]:
+    """Ordinary token ids of a vocabulary: skip the first ids (specials, bytes) when it is large."""
+    return min(200, vocab_size // 2), min(40000, vocab_size)
+
+
 def parse_range(text: str) -> tuple[int, int]:
     """``"32-512"`` -> (32, 512); ``"128"`` -> (128, 128)."""
     lo, _, hi = text.partition("-")
