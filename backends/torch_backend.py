@@ -29,15 +29,16 @@ class TorchBackendOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
 class PackedLinear:
     """A CPU fp32 weight in the layout(s) the chosen GEMM wants."""
 
-    __slots__ = ("out_features", "wt", "onednn")
+    __slots__ = ("out_features", "in_features", "wt", "onednn")
 
     def __init__(self, weight: torch.Tensor, mode: str):
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self.wt = weight.t().contiguous() if mode in ("dual", "mkl") else None
         self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None) if mode in ("dual", "onednn") else None
 
     def nbytes(self) -> int:
-        return self.out_features * (self.wt.shape[0] if self.wt is not None else 0) * 4
+        """Bytes one matmul reads (one layout; fp32)."""
+        return self.out_features * self.in_features * 4
 
 
 @dataclass(slots=True)

@@ -8,6 +8,7 @@ from typing import Any
 import structlog
 import torch
 
+from tokenloom.core import env
 from tokenloom.core.config import EngineConfig, build_config, load_toml
 from tokenloom.core.loader.resolve import resolve_model_path
 from tokenloom.core.plugins import PluginManager
@@ -37,8 +38,9 @@ class EngineParts:
 
 def build_engine_parts(config: EngineConfig, pm: PluginManager, progress=None) -> EngineParts:
     e = config.engine
-    if e.num_threads:
-        torch.set_num_threads(e.num_threads)
+    threads = e.num_threads or env.num_threads()
+    if threads:
+        torch.set_num_threads(threads)
     device = pick_device(e.device)
     dtype = pick_dtype(e.dtype, device)
     backend_entry = pm.get("backend", config.backend.name)

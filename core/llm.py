@@ -43,7 +43,7 @@ class LLM:
             inp["cache_salt"] = cache_salt
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(inputs)
-        return self._loop.run_until_complete(self._run(inputs, list(params)))
+        return self.run(self._run(inputs, list(params)))
 
     async def _run(self, inputs: list[dict], params: list[SamplingParams]) -> list[Finished]:
         streams = []
@@ -63,6 +63,11 @@ class LLM:
             item = await req.queue.get()
             if isinstance(item, Finished):
                 return item
+
+    def run(self, awaitable):
+        """Run a coroutine on this LLM's event loop (the one its engine's step loop lives
+        on), e.g. to stream with ``engine.generate`` from synchronous code."""
+        return self._loop.run_until_complete(awaitable)
 
     def close(self) -> None:
         self._loop.run_until_complete(self.engine.shutdown())

@@ -122,7 +122,7 @@ def test_stream_deltas_concatenate_to_final_text(make_llm):
             temperature=1.0, seed=7, max_tokens=60, ignore_eos=True))]
         return items
 
-    items = llm._loop.run_until_complete(run())
+    items = llm.run(run())
     deltas = [i for i in items if isinstance(i, TokenDelta)]
     final = items[-1]
     assert isinstance(final, Finished) and sum(isinstance(i, Finished) for i in items) == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -80,8 +81,6 @@ def model_config(meta: dict) -> ModelConfig:
 
 
 def load_gguf(path: Path, dtype: torch.dtype, progress: Callable[[int, int], None] | None = None) -> LoadedCheckpoint:
-    import dataclasses
-
     from gguf import GGUFReader
     from gguf.quants import dequantize
 

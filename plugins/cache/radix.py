@@ -261,8 +261,7 @@ class RadixCacheManager:
     def check_integrity(self) -> None:
         refs = [0] * self.num_blocks
         for sid, table in self._tables.items():
-            assert len(table) == cdiv(self._num_tokens[sid], self.block_size) or \
-                len(table) >= cdiv(self._num_tokens[sid], self.block_size), f"seq {sid}: table too small"
+            assert len(table) == cdiv(self._num_tokens[sid], self.block_size), f"seq {sid}: table size"
             for b in table:
                 refs[b] += 1
         locks: dict[int, int] = {}

@@ -68,11 +68,11 @@ def run_prefix(args, flags: dict, pm: PluginManager) -> dict:
         llm = LLM(config_file=args.config, flags=layer, plugin_manager=pm)
         try:
             warm = [(300 + i) % llm.engine.model_config.vocab_size for i in range(32)]
-            llm._loop.run_until_complete(_generate(llm.engine, warm, 4))  # warm-up
+            llm.run(_generate(llm.engine, warm, 4))  # warm-up
             rng = random.Random(args.workload_seed)
             run = _shared_system if args.workload == "shared-system" else _multi_turn
             t0 = time.perf_counter()
-            finals = llm._loop.run_until_complete(run(llm.engine, args, rng))
+            finals = llm.run(run(llm.engine, args, rng))
             elapsed = time.perf_counter() - t0
             prompt = sum(f.usage.prompt_tokens for f in finals)
             cached = sum(f.usage.cached_tokens for f in finals)

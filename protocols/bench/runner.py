@@ -46,7 +46,7 @@ async def _run(engine, workload: list[BenchRequest]) -> tuple[list[Finished], fl
 
 def run_workload(llm, workload: list[BenchRequest], recorder: StepRecorder) -> dict:
     recorder.steps.clear()
-    finals, elapsed = llm._loop.run_until_complete(_run(llm.engine, workload))
+    finals, elapsed = llm.run(_run(llm.engine, workload))
     out_tokens = sum(f.usage.completion_tokens for f in finals)
     prompt_tokens = sum(f.usage.prompt_tokens for f in finals)
     steps = recorder.steps
