@@ -79,21 +79,43 @@ class Sampler:
                     logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
         return logits
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        temps = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
-        logits = logits / temps[:, None]
+    def probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The distribution each row's token is drawn from: [B, V], rows sum to 1.
+
+        ``logits`` are already penalised (see ``_apply_penalties``). Temperature, then top-k and
+        top-p on the scaled logits, then min-p on the probabilities. A greedy row is a one-hot
+        at the argmax, as ``__call__`` picks it. Public so tests can check every sampled token
+        against the distribution it came from.
+        """
+        greedy = [s.params.greedy for s in seqs]
+        # A greedy row is scaled by 1: its temperature may be 0 or too small to divide by.
+        temps = [1.0 if g else s.params.temperature for g, s in zip(greedy, seqs, strict=True)]
+        scaled = logits / torch.tensor(temps, device=logits.device)[:, None]
         top_k = [s.params.top_k for s in seqs]
         top_p = [s.params.top_p for s in seqs]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            logits = _top_k_top_p(logits, top_k, top_p)
-        probs = torch.softmax(logits, dim=-1)
+            scaled = _top_k_top_p(scaled, top_k, top_p)
+        probs = torch.softmax(scaled, dim=-1)
         min_p = [s.params.min_p for s in seqs]
         if any(m > 0 for m in min_p):
+            # thresh <= max in float32, so the most likely token always survives; a tiny min_p
+            # rounds thresh to 0 and drops nothing.
             thresh = torch.tensor(min_p, device=probs.device)[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < thresh, 0.0)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        if any(greedy):
+            one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(probs.dtype)
+            probs = torch.where(torch.tensor(greedy, device=probs.device)[:, None], one_hot, probs)
+        return probs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        probs = self.probs(logits, seqs)
         noise = torch.empty_like(probs)
         for i, s in enumerate(seqs):
             noise[i].exponential_(generator=self._generator_for(s))
+        # A zero draw would make 0/0 = nan, which argmax picks: clamp it to the smallest normal
+        # float (a change of ~1e-38 in probability) so a token of probability 0 never wins.
+        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
         return (probs / noise).argmax(dim=-1)
 
     def _generator_for(self, seq: Sequence) -> torch.Generator:
@@ -116,6 +138,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     p = torch.tensor(top_p, device=logits.device)[:, None]
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
-    drop = mass_before >= p  # keeps the smallest set whose mass reaches p (always >= 1 token)
+    drop = mass_before >= p  # keeps the smallest set whose mass reaches p
+    drop[:, 0] = False  # the most likely token always stays, even if a tiny top_p is 0 in float32
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)

@@ -12,18 +12,31 @@ from tokenloom.core.errors import ClientError
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
+MAX_STOP_TOKEN_IDS = 64
 MAX_SEED = 2**63 - 1
+MAX_TIMEOUT_S = 86400.0  # one day
+MAX_TEMPERATURE = 100.0  # dividing by it only flattens logits: harmless at any scale
+# A temperature below this is greedy (vLLM's _SAMPLING_EPS): dividing logits by a tinier
+# one overflows float32 (inf - inf = nan) or, below ~1e-45, divides by zero.
+GREEDY_TEMPERATURE_EPS = 1e-5
+# repetition_penalty divides (or multiplies) logits: within [1/100, 10] a logit changes by
+# at most 100x, so even extreme logits (1e4) stay far from float32 overflow, and 1e-45 or
+# 1e-300 (zero in float32) cannot reach the sampler.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 10.0
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Sampling knobs, named as in vLLM / the OpenAI API.
 
-    ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` and ``min_p == 0``
-    switch those filters off. Penalties: ``repetition_penalty`` (CTRL/HF style, over prompt
-    and output), ``presence_penalty`` and ``frequency_penalty`` (OpenAI style, over the
-    output). ``stop`` strings are not included in the returned text. ``logprobs=n`` returns
+    ``temperature`` below ``GREEDY_TEMPERATURE_EPS`` (0 included) means greedy. ``top_k <= 0``
+    and ``top_p == 1`` and ``min_p == 0`` switch those filters off; whatever their values, the
+    most likely token always survives them. Penalties: ``repetition_penalty`` (CTRL/HF style,
+    over prompt and output), ``presence_penalty`` and ``frequency_penalty`` (OpenAI style, over
+    the output). ``stop`` strings are not included in the returned text. ``logprobs=n`` returns
     the sampled token's log-probability and the top ``n`` alternatives, computed from the
     model's raw distribution (before penalties and temperature), as vLLM does.
+    ``timeout_s`` is a deadline in seconds from the request's arrival (``None``: no deadline).
     """
 
     temperature: float = 1.0
@@ -39,6 +52,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    timeout_s: float | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
@@ -52,13 +66,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax decoding: temperature 0, or too small to divide float32 logits by."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise :class:`ClientError` naming the first bad parameter."""
         _finite("temperature", self.temperature)
-        if not 0.0 <= self.temperature <= 100.0:
-            raise ClientError.bad_value("temperature", self.temperature, "in [0, 100]")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ClientError.bad_value("temperature", self.temperature, f"in [0, {MAX_TEMPERATURE:g}]")
         _finite("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ClientError.bad_value("top_p", self.top_p, "in (0, 1]")
@@ -70,8 +85,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         if not 0.0 <= self.min_p <= 1.0:
             raise ClientError.bad_value("min_p", self.min_p, "in [0, 1]")
         _finite("repetition_penalty", self.repetition_penalty)
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            raise ClientError.bad_value("repetition_penalty", self.repetition_penalty, "in (0, 10]")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ClientError.bad_value("repetition_penalty", self.repetition_penalty,
+                                        f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _finite(name, value)
@@ -85,6 +101,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         for s in self.stop:
             if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_LEN:
                 raise ClientError.bad_value("stop", s, f"non-empty strings of <= {MAX_STOP_STRING_LEN} chars")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ClientError.bad_value("stop_token_ids", len(self.stop_token_ids), f"at most {MAX_STOP_TOKEN_IDS} ids")
         for t in self.stop_token_ids:
             _int("stop_token_ids", t)
             if t < 0 or (vocab_size is not None and t >= vocab_size):
@@ -97,6 +115,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             _int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ClientError.bad_value("logprobs", self.logprobs, f"in [0, {MAX_LOGPROBS}]")
+        if self.timeout_s is not None:
+            _finite("timeout_s", self.timeout_s)
+            if not 0.0 < self.timeout_s <= MAX_TIMEOUT_S:
+                raise ClientError.bad_value("timeout_s", self.timeout_s, f"in (0, {MAX_TIMEOUT_S:g}] seconds")
 
 
 def _finite(name: str, value: object) -> None:

@@ -104,3 +104,32 @@ def test_logprobs_are_raw_log_softmax():
     assert [t for t, _ in lps[0].top] == [1, 2]
     assert lps[0].top[0][1] == pytest.approx(ref[1].item())
     assert math.isclose(sum(math.exp(v) for v in ref.tolist()), 1.0, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("params, logits", [
+    # issue 14: large logits divided by a temperature that is subnormal or 0 in float32 overflowed
+    ({"temperature": 1e-38}, [0.5, 1.0, 30.0, 20.0, -1.0]),
+    ({"temperature": 5e-324}, [0.5, 1.0, 30.0, 20.0, -1.0]),
+    # a top_p that is 0 in float32 dropped every token; now the most likely one always stays
+    ({"top_p": 5e-324}, [0.5, 1.0, 1.3, 1.2, -1.0]),
+])
+def test_tiny_values_give_the_top_token(params, logits):
+    logits = torch.tensor([logits])
+    n = 64
+    tokens, lps = Sampler(5)(logits.expand(n, -1).contiguous(), [_seq(logprobs=0, **params)] * n)
+    assert tokens == [2] * n
+    assert lps[0].logprob == pytest.approx(torch.log_softmax(logits[0], -1)[2].item())
+
+
+def test_probs_is_what_is_sampled():
+    seq = _seq(tokens=[0, 3], temperature=0.8, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.3)
+    sampler = Sampler(6)
+    dist = sampler.probs(sampler._apply_penalties(LOGITS, [seq]), [seq])[0]
+    assert dist.sum().item() == pytest.approx(1.0)
+    assert dist[5] == 0  # below min_p (and outside top_k)
+    _assert_close_to(_histogram(sampler, LOGITS, seq), dist)
+
+
+def test_probs_of_a_greedy_row_is_one_hot_at_the_argmax():
+    dist = Sampler().probs(LOGITS, [_seq(temperature=1e-6)])[0]
+    assert dist.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]

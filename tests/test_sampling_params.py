@@ -3,7 +3,14 @@ from __future__ import annotations
 import pytest
 
 from tokenloom.core.errors import ClientError
-from tokenloom.core.sampling_params import SamplingParams
+from tokenloom.core.sampling_params import (
+    GREEDY_TEMPERATURE_EPS,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TIMEOUT_S,
+    MIN_REPETITION_PENALTY,
+    SamplingParams,
+)
 
 
 @pytest.mark.parametrize("data, param", [
@@ -17,11 +24,23 @@ from tokenloom.core.sampling_params import SamplingParams
     ({"max_tokens": "5"}, "max_tokens"),
     ({"max_tokens": False}, "max_tokens"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": 1e-45}, "repetition_penalty"),  # issue 14: 0 in float32
+    ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+    ({"repetition_penalty": 0.0099}, "repetition_penalty"),
+    ({"repetition_penalty": 10.01}, "repetition_penalty"),
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"frequency_penalty": float("nan")}, "frequency_penalty"),
     ({"stop": [""]}, "stop"),
     ({"stop": ["x"] * 17}, "stop"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
+    ({"timeout_s": 0}, "timeout_s"),
+    ({"timeout_s": -1.0}, "timeout_s"),
+    ({"timeout_s": 86400.5}, "timeout_s"),
+    ({"timeout_s": float("inf")}, "timeout_s"),
+    ({"timeout_s": float("nan")}, "timeout_s"),
+    ({"timeout_s": "5"}, "timeout_s"),
+    ({"timeout_s": True}, "timeout_s"),
     ({"seed": 2**64}, "seed"),
     ({"logprobs": 21}, "logprobs"),
     ({"temprature": 0.5}, "temprature"),
@@ -42,3 +61,19 @@ def test_top_k_checked_against_vocab():
 def test_defaults_are_valid_and_greedy_flag():
     SamplingParams().validate(1000)
     assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
+
+
+def test_tiny_temperature_is_greedy():
+    assert SamplingParams(temperature=5e-324).greedy and SamplingParams(temperature=1e-38).greedy
+    assert SamplingParams(temperature=GREEDY_TEMPERATURE_EPS / 2).greedy
+    assert not SamplingParams(temperature=GREEDY_TEMPERATURE_EPS).greedy
+
+
+def test_edges_of_the_accepted_ranges_are_valid():
+    for data in ({"repetition_penalty": MIN_REPETITION_PENALTY}, {"repetition_penalty": MAX_REPETITION_PENALTY},
+                 {"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS))}, {"timeout_s": MAX_TIMEOUT_S},
+                 {"timeout_s": 30}, {"timeout_s": 1e-3}, {"timeout_s": None}, {"top_p": 5e-324},
+                 {"temperature": 5e-324}, {"min_p": 5e-324}):
+        SamplingParams.from_dict(data)
+    assert SamplingParams().timeout_s is None
+    assert SamplingParams.from_dict({"timeout_s": 2.5}).timeout_s == 2.5
