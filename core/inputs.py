@@ -8,24 +8,53 @@ MAX_PROMPT_CHARS = 1 << 22
 
 
 def encode_prompt(tokenizer, vocab_size: int, prompt: str | list[int] | None = None,
-                  messages: list[dict] | None = None) -> list[int]:
+                  messages: list[dict] | None = None, *, parse_special_tokens: bool | None = None) -> list[int]:
     """Exactly one of ``prompt`` (text or token ids) and ``messages`` (rendered with the
-    model's chat template); every failure is a ClientError naming the parameter."""
+    model's chat template); every failure is a ClientError naming the parameter.
+
+    ``parse_special_tokens``: whether control-token strings (``<|im_start|>``, ...) in the
+    text become their special ids. None is the default for the input: True for a raw
+    ``prompt`` string (clients send pre-formatted chat prompts), False for ``messages``,
+    whose content is then encoded as plain text so a message cannot forge a turn (only
+    the template's own markers are special; see ``Tokenizer.encode_chat``)."""
     if (prompt is None) == (messages is None):
         raise ClientError("give exactly one of prompt or messages", param="prompt")
     if messages is not None:
         if not isinstance(messages, list) or not messages:
             raise ClientError.bad_value("messages", messages, "a non-empty list of {role, content}")
-        prompt = tokenizer.apply_chat_template(messages)
+        _check_text(tokenizer.apply_chat_template(messages), "messages")
+        return tokenizer.encode_chat(messages, parse_special_tokens=bool(parse_special_tokens))
     if isinstance(prompt, str):
-        if not prompt:
-            raise ClientError("prompt must not be empty", param="prompt", value=prompt)
-        if len(prompt) > MAX_PROMPT_CHARS:
-            raise RequestTooLong(f"prompt has {len(prompt)} characters, over {MAX_PROMPT_CHARS}", param="prompt")
-        return tokenizer.encode(prompt)
+        _check_text(prompt, "prompt")
+        return tokenizer.encode(prompt, parse_special_tokens=parse_special_tokens is not False)
     if not isinstance(prompt, list) or not prompt:
         raise ClientError.bad_value("prompt", prompt, "a non-empty string or list of token ids")
     for t in prompt:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
             raise ClientError.bad_value("prompt", t, f"token ids in [0, {vocab_size})")
     return list(prompt)
+
+
+def _check_text(text: str, param: str) -> None:
+    if not text:
+        raise ClientError("prompt must not be empty", param=param, value=text)
+    if len(text) > MAX_PROMPT_CHARS:
+        raise RequestTooLong(f"prompt has {len(text)} characters, over {MAX_PROMPT_CHARS}", param=param)
+
+
+def refuse_by_size(tokenizer, max_model_len: int, prompt: str | list[int] | None = None,
+                   messages: list[dict] | None = None) -> None:
+    """Refuse a text that cannot fit without tokenising it. No token spans more than
+    ``tokenizer.max_token_chars`` characters, so a text of n characters has at least
+    n / max_token_chars tokens (a chat template only adds to them)."""
+    if isinstance(prompt, str):
+        param, chars = "prompt", len(prompt)
+    elif isinstance(messages, list):
+        param = "messages"
+        chars = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+    else:
+        return
+    min_tokens = -(-chars // tokenizer.max_token_chars)
+    if min_tokens >= max_model_len:
+        raise RequestTooLong(f"{param} has {chars} characters, so at least {min_tokens} tokens: it cannot fit "
+                             f"the context length {max_model_len}", param=param, value=chars)

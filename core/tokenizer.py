@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+import structlog
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from tokenloom.core.chat import encode_chat
 from tokenloom.core.errors import ClientError
+
+log = structlog.get_logger("tokenloom.tokenizer")
 
 CONTROL_TOKEN_TYPE = 3  # GGUF token_type for control tokens (<|im_start|>, ...)
 USER_DEFINED_TOKEN_TYPE = 4
@@ -29,15 +34,47 @@ class Tokenizer:
         self.add_bos = add_bos
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self._template = None
+        #: ids of the special added tokens: the ones ``parse_special_tokens=False`` spells out as text
+        self.special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
+        self._literal_tok: HFTokenizer | None = None
+        self._literal_lock = threading.Lock()
+        self.warned_unsafe_template = False  # core/chat.py logs a cut placeholder once
+        #: the most characters one token spans (a byte-level token string has one character per
+        #: byte): a text of n characters has at least n / max_token_chars tokens
+        self.max_token_chars = max(map(len, tok.get_vocab(with_added_tokens=True)), default=1)
 
     def token(self, token_id: int) -> str | None:
         return self.tok.id_to_token(token_id)
 
-    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, *, add_bos: bool | None = None, parse_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``. With ``parse_special_tokens=False`` the strings of special
+        tokens (``<|im_start|>``, ...) are encoded as ordinary text, never as their ids;
+        non-special added tokens still match, as in llama.cpp."""
+        return self.with_bos(self.encoding(text, parse_special_tokens=parse_special_tokens).ids, add_bos)
+
+    def encoding(self, text: str, *, parse_special_tokens: bool = True):
+        """The `tokenizers` Encoding of ``text`` (ids and character offsets), no BOS.
+        encode_batch releases the GIL while it works; encode holds it (a 780 KB prompt held
+        it ~0.6 s), which would stall the event loop even from a worker thread."""
+        tok = self.tok if parse_special_tokens else self.literal_tok()
+        return tok.encode_batch([text], add_special_tokens=False)[0]
+
+    def with_bos(self, ids: list[int], add_bos: bool | None = None) -> list[int]:
         if (self.add_bos if add_bos is None else add_bos) and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def literal_tok(self) -> HFTokenizer:
+        """A second copy of the tokenizer that splits special-token strings as text.
+        ``encode_special_tokens`` is a flag of the whole object, so it is never flipped on
+        the shared one: other threads may be encoding with it."""
+        if self._literal_tok is None:
+            with self._literal_lock:
+                if self._literal_tok is None:
+                    tok = HFTokenizer.from_str(self.tok.to_str())
+                    tok.encode_special_tokens = True
+                    self._literal_tok = tok
+        return self._literal_tok
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -59,6 +96,13 @@ class Tokenizer:
             )
         except TemplateError as exc:
             raise ClientError(f"chat template failed: {exc}", param="messages") from None
+
+    def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                    parse_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``messages`` rendered with the chat template; control-token strings in
+        content stay text unless ``parse_special_tokens`` (see :mod:`tokenloom.core.chat`)."""
+        return encode_chat(self, messages, add_generation_prompt=add_generation_prompt,
+                           parse_special_tokens=parse_special_tokens)
 
     # ---- builders ------------------------------------------------------------------
     @classmethod
