@@ -11,22 +11,41 @@ from tokenloom.core.sequence import Batch, Sequence
 
 @dataclass(slots=True)
 class CacheStats:
+    """A snapshot of the KV block pool. Every block is in exactly one of three states,
+    with the same meaning for every cache manager:
+
+    - *used*: referenced by a live sequence's block table (or, in ``radix``, held by a tree
+      node that a running sequence locked): it cannot be reclaimed;
+    - *cached*: holds reusable prefix KV that no live sequence references: eviction can
+      reclaim it (always 0 without prefix caching);
+    - *free*: holds nothing.
+
+    ``num_used_blocks + num_cached_blocks + num_free_blocks == num_blocks``.
+    """
+
     num_blocks: int
-    num_free_blocks: int
+    num_free_blocks: int  # blocks holding nothing
     block_size: int
     num_tokens_stored: int  # tokens whose KV lives in allocated blocks
     num_reserved_slots: int  # token slots held by allocated blocks (>= tokens stored)
     num_evictions: int = 0
-    num_cached_blocks: int = 0  # blocks kept for prefix reuse
+    num_cached_blocks: int = 0  # blocks of reusable prefix KV no live sequence references (evictable)
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # prompt tokens found there
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
+        """Blocks live sequences hold (neither cached nor free)."""
+        return self.num_blocks - self.num_free_blocks - self.num_cached_blocks
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Blocks an allocation can get without preempting anyone: free + cached (evicted)."""
+        return self.num_free_blocks + self.num_cached_blocks
 
     @property
     def usage(self) -> float:
+        """Memory pressure: the fraction of blocks in use (cached blocks are reclaimable)."""
         return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
 
     @property
@@ -47,10 +66,18 @@ class CacheManager(Protocol):
 
     block_size: int
     num_blocks: int
+    prefix_caching: bool  # does claim_prefix ever find anything? (`cache-aware` requires it)
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks available right now (cheap: the engine reads it every step)."""
+        """Blocks holding nothing right now, as in :class:`CacheStats` (cheap: O(1)).
+        Blocks of cached prefix KV are not free, but an allocation can still evict them:
+        ``num_blocks - num_used_blocks`` blocks are allocatable."""
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks live sequences hold right now, as in :class:`CacheStats` (cheap: O(1), the
+        engine reads it every step for peak KV usage). Cached blocks are not used."""
 
     def can_ever_fit(self, seq: Sequence) -> bool:
         """Could ``seq`` at its maximum length fit an otherwise empty cache?"""
@@ -76,6 +103,11 @@ class CacheManager(Protocol):
     def block_table(self, seq: Sequence) -> list[int]: ...
 
     def stats(self) -> CacheStats: ...
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        """Copy-on-write work owed since the last call, as (src block, dst block, slots):
+        the runner copies those KV slots before this step's forward. A manager that never
+        shares a partial block returns []."""
 
     def check_integrity(self) -> None:
         """Raise AssertionError when the internal bookkeeping is inconsistent."""
@@ -106,6 +138,9 @@ class Decoder(Protocol):
     def step(self, batch: Batch) -> dict[Sequence, list[int]]:
         """Run one step; return the new tokens of each sequence that sampled this step."""
 
+    def release(self, seq: Sequence) -> None:
+        """``seq`` finished (any reason): drop per-sequence state (sampler generators, draft KV)."""
+
 
 @runtime_checkable
 class Backend(Protocol):
@@ -125,9 +160,15 @@ class Backend(Protocol):
     def copy_blocks(self, kv_caches, copies: list[tuple[int, int, int]]) -> None:
         """Copy the first n slots of block src into block dst, in every layer."""
 
-    def attention(self, q, k_cache, v_cache, meta, scale: float): ...
+    def attention(self, q, k, v, k_cache, v_cache, meta, scale: float):
+        """Attention of this step's queries over the cache; ``k``/``v`` are this step's own
+        keys and values (already written by ``write_kv``), for backends that use them directly."""
 
     def rms_norm(self, x, weight, eps: float): ...
+
+    def pack_linear(self, weight):
+        """Called once per matmul weight at load time; returns what ``linear`` will get
+        (the weight itself when the backend has no layout of its own)."""
 
     def linear(self, x, weight, bias=None): ...
 

@@ -25,10 +25,12 @@ FACTORIES = {
     "radix": lambda: RadixCacheManager(None, NUM_BLOCKS, BLOCK_SIZE),
     "contiguous": lambda: ContiguousCacheManager(None, NUM_BLOCKS, BLOCK_SIZE),
 }
+PREFIX_CACHING = {"paged", "radix"}  # the others never hold a cached block
 
 
 class CacheContract(RuleBasedStateMachine):
     factory = None
+    caching = True
 
     @initialize()
     def setup(self):
@@ -107,15 +109,50 @@ class CacheContract(RuleBasedStateMachine):
         self.cache.check_integrity()
         for seq in self.live:
             assert len(self.cache.block_table(seq)) * BLOCK_SIZE >= seq.num_computed_tokens + 1
-        stats = self.cache.stats()
-        assert 0 <= stats.num_free_blocks <= NUM_BLOCKS
+        self.check_block_states()
+
+    def _held_blocks(self) -> set[int]:
+        """Blocks no eviction may take: those in live sequences' block tables, and in
+        ``radix`` those of the tree nodes a running sequence locked (e.g. the source of
+        a partial-block copy, which is in no table)."""
+        held = {b for seq in self.live for b in self.cache.block_table(seq)}
+        if isinstance(self.cache, RadixCacheManager):
+            for node in self.cache._locked.values():
+                held.update(b for n in self.cache._path(node) for b in n.blocks)
+        return held
+
+    def check_block_states(self):
+        """used / cached / free: disjoint, summing to the pool, the same meaning everywhere."""
+        cache, stats = self.cache, self.cache.stats()
+        used, cached, free = stats.num_used_blocks, stats.num_cached_blocks, stats.num_free_blocks
+        assert min(used, cached, free) >= 0 and stats.num_blocks == NUM_BLOCKS
+        assert used + cached + free == NUM_BLOCKS
+        assert used == len(self._held_blocks()), "used != blocks live sequences hold"
+        assert (cache.num_used_blocks, cache.num_free_blocks) == (used, free), "cheap counts disagree"
+        assert stats.usage == used / NUM_BLOCKS
+        if not self.caching:
+            assert cached == 0
+        if not isinstance(cache, ContiguousCacheManager):  # (contiguous needs a run, not a count)
+            # cached blocks are reclaimable: a new request may take every available block, no more
+            avail = stats.num_available_blocks
+            if avail:
+                assert cache.can_allocate(self._probe(avail), avail * BLOCK_SIZE)
+            assert not cache.can_allocate(self._probe(avail + 1), (avail + 1) * BLOCK_SIZE)
+
+    @staticmethod
+    def _probe(num_blocks: int) -> Sequence:
+        return Sequence("probe", [5] * (num_blocks * BLOCK_SIZE), SamplingParams(max_tokens=1))
 
     def teardown(self):
         if not hasattr(self, "cache"):
             return
         for seq in self.live:
             self.cache.free(seq)
+        self.live = []
         self.cache.check_integrity()
+        self.check_block_states()
+        stats = self.cache.stats()
+        assert stats.num_used_blocks == 0 and stats.usage == 0.0
         # everything a sequence held came back; what remains is only reclaimable cache
         big = Sequence("all", [7] * (NUM_BLOCKS * BLOCK_SIZE - 1), SamplingParams(max_tokens=1))
         assert self.cache.allocate(big, big.num_tokens), "blocks leaked"
@@ -124,6 +161,7 @@ class CacheContract(RuleBasedStateMachine):
 
 @pytest.mark.parametrize("name", list(FACTORIES))
 def test_cache_manager_contract(name):
-    machine = type(f"Contract_{name}", (CacheContract,), {"factory": staticmethod(FACTORIES[name])})
+    machine = type(f"Contract_{name}", (CacheContract,),
+                   {"factory": staticmethod(FACTORIES[name]), "caching": name in PREFIX_CACHING})
     machine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
     machine.TestCase().runTest()

@@ -11,8 +11,9 @@ from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.core.sequence import Sequence
 from tokenloom.plugins.cache.contiguous import ContiguousCacheManager
 from tokenloom.plugins.cache.paged import PagedCacheManager
+from tokenloom.plugins.cache.radix import RadixCacheManager
 
-MANAGERS = {"paged": PagedCacheManager, "contiguous": ContiguousCacheManager}
+MANAGERS = {"paged": PagedCacheManager, "radix": RadixCacheManager, "contiguous": ContiguousCacheManager}
 
 
 def _seq(prompt_len, max_tokens=32):
@@ -34,12 +35,15 @@ def test_random_operations_keep_integrity(name):
         if op < 0.4 or not live:
             seq = _seq(rng.randrange(1, 20), rng.randrange(1, 30))
             if cache.can_ever_fit(seq):
-                before = cache.stats().num_free_blocks
+                before = cache.stats()
                 ok = cache.allocate(seq, seq.num_prompt_tokens)
                 if ok:
                     live.append(seq)
                 else:  # all or nothing
-                    assert cache.stats().num_free_blocks == before and cache.block_table(seq) == []
+                    after = cache.stats()  # (radix may have evicted cached blocks trying)
+                    assert (after.num_used_blocks, after.num_available_blocks) == \
+                        (before.num_used_blocks, before.num_available_blocks)
+                    assert cache.block_table(seq) == []
         elif op < 0.8:
             seq = rng.choice(live)
             seq.num_computed_tokens = seq.num_tokens
@@ -55,10 +59,14 @@ def test_random_operations_keep_integrity(name):
         cache.check_integrity()
         for seq in live:
             assert len(cache.block_table(seq)) * cache.block_size >= seq.num_computed_tokens
+        stats = cache.stats()
+        assert stats.num_used_blocks == cache.num_used_blocks == len({b for s in live for b in cache.block_table(s)})
+        assert stats.num_free_blocks == cache.num_free_blocks
     for seq in live:
         cache.free(seq)
     cache.check_integrity()
-    assert cache.stats().num_free_blocks == 40
+    stats = cache.stats()
+    assert stats.num_used_blocks == 0 and stats.num_available_blocks == 40
 
 
 def test_paged_takes_only_the_blocks_it_fills():

@@ -17,12 +17,18 @@ class ContiguousOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
 
 class ContiguousCacheManager:
+    prefix_caching = False
+
     def __init__(self, options: ContiguousOptions | None, num_blocks: int, block_size: int):
         self.num_blocks, self.block_size = num_blocks, block_size
         self._used = bytearray(num_blocks)  # 1 where a block is reserved
         self.num_free_blocks = num_blocks
         self._runs: dict[int, tuple[int, int]] = {}  # seq_id -> (first block, count)
         self._num_tokens: dict[int, int] = {}
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks  # reserved; nothing is ever cached
 
     def _reserve_len(self, seq: Sequence) -> int:
         return cdiv(seq.max_len, self.block_size)
@@ -81,13 +87,16 @@ class ContiguousCacheManager:
             self.num_free_blocks += count
         self._num_tokens.pop(seq.seq_id, None)
 
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        return []
+
     def block_table(self, seq: Sequence) -> list[int]:
         run = self._runs.get(seq.seq_id)
         return list(range(run[0], run[0] + run[1])) if run else []
 
     def stats(self) -> CacheStats:
         used = sum(self._used)
-        return CacheStats(self.num_blocks, self.num_blocks - used, self.block_size,
+        return CacheStats(self.num_blocks, self.num_blocks - used, self.block_size,  # no cached blocks
                           num_tokens_stored=sum(self._num_tokens.values()),
                           num_reserved_slots=used * self.block_size)
 

@@ -8,6 +8,9 @@ request claims the longest run of registered blocks matching its prompt (confirm
 against the stored token ids, so a hash collision cannot serve wrong KV). Freed blocks
 keep their hash and stay claimable until the pool needs them: the free queue is LRU,
 tail blocks of a sequence first, and reusing a registered block evicts it.
+
+Block states (see ``CacheStats``): *used* blocks have a reference count above zero;
+the free queue holds the rest, *cached* ones (still registered) and *free* ones.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def block_key(parent: int | None, tokens: tuple[int, ...], salt: str | None) -> 
 class PagedCacheManager:
     def __init__(self, options: PagedOptions | None, num_blocks: int, block_size: int):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.caching = (options or PagedOptions()).enable_prefix_caching
+        self.prefix_caching = (options or PagedOptions()).enable_prefix_caching
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU order
         self._ref = [0] * num_blocks
         self._meta: dict[int, _Cached] = {}  # block id -> registration
@@ -54,6 +57,7 @@ class PagedCacheManager:
         self._tables: dict[int, list[int]] = {}
         self._num_tokens: dict[int, int] = {}
         self._registered: dict[int, tuple[int, int | None]] = {}  # seq -> (blocks done, last chain hash)
+        self._num_cached = 0  # blocks in the free queue that are still registered
         self.num_evictions = self.prefix_queries = self.prefix_hits = 0
 
     # ---- prefix cache -------------------------------------------------------------
@@ -74,19 +78,20 @@ class PagedCacheManager:
 
     def match_prefix(self, seq: Sequence) -> int:
         """Tokens of ``seq`` a claim would find cached now (read-only)."""
-        if not self.caching or seq.num_computed_tokens:
+        if not self.prefix_caching or seq.num_computed_tokens:
             return 0
         return len(self._walk(seq.token_ids, seq.cache_salt, seq.num_tokens - 1)) * self.block_size
 
     def claim_prefix(self, seq: Sequence) -> int:
         """Take the cached blocks of ``seq``'s longest registered prefix into its table.
         At least one token is always left to compute (its logits are needed)."""
-        if not self.caching or seq.num_computed_tokens or seq.seq_id in self._tables:
+        if not self.prefix_caching or seq.num_computed_tokens or seq.seq_id in self._tables:
             return 0
         blocks = self._walk(seq.token_ids, seq.cache_salt, seq.num_tokens - 1)
         for b in blocks:
             if self._ref[b] == 0:
                 del self._free[b]
+                self._num_cached -= 1  # a claimed block is registered: cached -> used
             self._ref[b] += 1
         if blocks:
             self._tables[seq.seq_id] = list(blocks)
@@ -99,7 +104,7 @@ class PagedCacheManager:
 
     def _register_computed(self, seq: Sequence) -> None:
         """Register every full block whose KV is computed (``num_computed_tokens``)."""
-        if not self.caching:
+        if not self.prefix_caching:
             return
         table = self._tables.get(seq.seq_id)
         if not table:
@@ -124,13 +129,19 @@ class PagedCacheManager:
         if meta is not None:  # reusing a cached block evicts its registration
             del self._by_key[meta.key]
             self.num_evictions += 1
+            self._num_cached -= 1
         self._ref[block] = 1
         return block
 
     # ---- allocation -------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks holding nothing (the free queue less its still-registered blocks)."""
+        return len(self._free) - self._num_cached
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
 
     def can_ever_fit(self, seq: Sequence) -> bool:
         return cdiv(seq.max_len, self.block_size) <= self.num_blocks
@@ -160,6 +171,7 @@ class PagedCacheManager:
             self._ref[b] -= 1
             if self._ref[b] == 0:
                 self._free[b] = None
+                self._num_cached += b in self._meta
         self._num_tokens.pop(seq.seq_id, None)
         self._registered.pop(seq.seq_id, None)
 
@@ -177,14 +189,17 @@ class PagedCacheManager:
         self._num_tokens[child.seq_id] = full * self.block_size
         return full * self.block_size
 
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        return []  # whole blocks only: a partial block is never shared
+
     def block_table(self, seq: Sequence) -> list[int]:
         return self._tables.get(seq.seq_id, [])
 
     def stats(self) -> CacheStats:
-        return CacheStats(self.num_blocks, len(self._free), self.block_size,
+        return CacheStats(self.num_blocks, self.num_free_blocks, self.block_size,
                           num_tokens_stored=sum(self._num_tokens.values()),
                           num_reserved_slots=sum(len(t) for t in self._tables.values()) * self.block_size,
-                          num_evictions=self.num_evictions, num_cached_blocks=len(self._meta),
+                          num_evictions=self.num_evictions, num_cached_blocks=self._num_cached,
                           prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits)
 
     def check_integrity(self) -> None:
@@ -199,6 +214,7 @@ class PagedCacheManager:
         assert len(free) == len(self._free)
         assert free == {b for b in range(self.num_blocks) if refs[b] == 0}, "free set != unreferenced blocks"
         assert len(self._by_key) == len(self._meta), "hash index and registrations disagree"
+        assert self._num_cached == sum(1 for b in self._free if b in self._meta), "cached count drifted"
         for block, meta in self._meta.items():
             assert self._by_key[meta.key] == block, "hash index points elsewhere"
             assert len(meta.tokens) == self.block_size

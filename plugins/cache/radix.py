@@ -10,6 +10,11 @@ unlocked leaves are evicted least-recently-used first.
 
 Reference counts: ``ref[b]`` = block tables holding ``b`` + tree nodes whose token span
 uses ``b``; a block returns to the free pool at zero. ``check_integrity`` recomputes it.
+
+Block states (see ``CacheStats``): ``pin[b]`` = block tables holding ``b`` + *locked* tree
+nodes whose span uses ``b``. A block is *used* while pinned, *cached* when only unlocked
+nodes hold it (eviction can reclaim it), and *free* in the pool. The count of pinned
+blocks is kept up to date, so every count is O(1).
 """
 
 from __future__ import annotations
@@ -40,10 +45,14 @@ class Node:
 
 
 class RadixCacheManager:
+    prefix_caching = True
+
     def __init__(self, options: RadixOptions | None, num_blocks: int, block_size: int):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.roots: dict[str | None, Node] = {None: Node([], [], None)}  # one tree per cache_salt
         self._ref = [0] * num_blocks
+        self._pin = [0] * num_blocks
+        self._num_used = 0  # blocks with pin > 0
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack
         self._tables: dict[int, list[int]] = {}
         self._num_tokens: dict[int, int] = {}
@@ -91,6 +100,8 @@ class RadixCacheManager:
         top.children[node.tokens[0]] = node
         for b in set(top.blocks) & set(node.blocks):  # a block now spans two nodes
             self._ref[b] += 1
+            if top.lock:
+                self._pin_block(b, 1)
         return top
 
     def _insert(self, root: Node, tokens: list[int], blocks: list[int]) -> None:
@@ -131,6 +142,21 @@ class RadixCacheManager:
             yield n
             stack.extend(n.children.values())
 
+    def _pin_block(self, block: int, delta: int) -> None:
+        before = self._pin[block]
+        self._pin[block] = after = before + delta
+        self._num_used += (after > 0) - (before > 0)
+
+    def _lock_path(self, node: Node, delta: int) -> None:
+        """Lock (+1) or unlock (-1) ``node`` and its ancestors; a node's blocks are pinned
+        while it is locked at all."""
+        for n in self._path(node):
+            before = n.lock
+            n.lock += delta
+            if (before > 0) != (n.lock > 0):
+                for b in set(n.blocks):
+                    self._pin_block(b, delta)
+
     def _release(self, block: int) -> None:
         self._ref[block] -= 1
         if self._ref[block] == 0:
@@ -147,13 +173,10 @@ class RadixCacheManager:
         return out
 
     def _evictable_blocks(self) -> int:
-        """Blocks eviction could free right now (those only unlocked tree nodes hold)."""
-        held = [0] * self.num_blocks
-        for n in self._iter_nodes():
-            if n.lock == 0:
-                for b in set(n.blocks):
-                    held[b] += 1
-        return sum(1 for b in range(self.num_blocks) if self._ref[b] and held[b] == self._ref[b])
+        """Blocks eviction could free right now (those only unlocked tree nodes hold):
+        the cached ones. (Every descendant of an unlocked node is unlocked, so a whole
+        unlocked subtree can go, leaves first.)"""
+        return self.num_blocks - len(self._free) - self._num_used
 
     # ---- the cache-manager contract ---------------------------------------------------
     def match_prefix(self, seq: Sequence) -> int:
@@ -170,20 +193,19 @@ class RadixCacheManager:
         table = [pos_blocks[min((k + 1) * bs, m) - 1] for k in range(m // bs)]
         for b in table:
             self._ref[b] += 1
+            self._pin_block(b, 1)
         if m % bs:
-            for n in self._path(node):  # lock first: the copy source must survive eviction
-                n.lock += 1
+            self._lock_path(node, 1)  # lock first: the copy source must survive eviction
             dst = self._take(1)
-            for n in self._path(node):
-                n.lock -= 1
+            self._lock_path(node, -1)
             if dst is None:
                 m -= m % bs
                 node, _ = self._match(root, seq.token_ids, m, split=True)
             else:
                 self._copies.append((pos_blocks[m - 1], dst[0], m % bs))
                 table.append(dst[0])
-        for n in self._path(node):
-            n.lock += 1
+                self._pin_block(dst[0], 1)
+        self._lock_path(node, 1)
         self._locked[seq.seq_id] = node
         self._tables[seq.seq_id] = table
         self._num_tokens[seq.seq_id] = m
@@ -200,6 +222,10 @@ class RadixCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self._num_used
 
     def can_ever_fit(self, seq: Sequence) -> bool:
         return cdiv(seq.max_len, self.block_size) <= self.num_blocks
@@ -220,6 +246,8 @@ class RadixCacheManager:
         if blocks is None:
             return False
         self._tables.setdefault(seq.seq_id, []).extend(blocks)
+        for b in blocks:
+            self._pin_block(b, 1)
         self._locked.setdefault(seq.seq_id, self._root(seq.cache_salt))
         self._num_tokens[seq.seq_id] = max(self._num_tokens.get(seq.seq_id, 0),
                                            seq.num_computed_tokens + num_new_tokens)
@@ -234,10 +262,9 @@ class RadixCacheManager:
         if seq.seq_id not in self._tables:
             return
         self._cache_computed(seq)
-        node = self._locked.pop(seq.seq_id, self._root(seq.cache_salt))
-        for n in self._path(node):
-            n.lock -= 1
+        self._lock_path(self._locked.pop(seq.seq_id, self._root(seq.cache_salt)), -1)
         for b in self._tables.pop(seq.seq_id):
+            self._pin_block(b, -1)
             self._release(b)
         self._num_tokens.pop(seq.seq_id, None)
 
@@ -251,7 +278,7 @@ class RadixCacheManager:
         return self._tables.get(seq.seq_id, [])
 
     def stats(self) -> CacheStats:
-        cached = len({b for n in self._iter_nodes() for b in n.blocks})
+        cached = self.num_blocks - len(self._free) - self._num_used
         return CacheStats(self.num_blocks, len(self._free), self.block_size,
                           num_tokens_stored=sum(self._num_tokens.values()),
                           num_reserved_slots=sum(len(t) for t in self._tables.values()) * self.block_size,
@@ -275,6 +302,20 @@ class RadixCacheManager:
             for b in set(n.blocks):
                 refs[b] += 1
         assert refs == self._ref, "reference counts disagree with tables and tree"
+        pins, held = [0] * self.num_blocks, [0] * self.num_blocks
+        for table in self._tables.values():
+            for b in table:
+                pins[b] += 1
+        for n in self._iter_nodes():
+            for b in set(n.blocks):
+                if n.lock:
+                    pins[b] += 1
+                else:
+                    held[b] += 1
+        assert pins == self._pin, "pin counts disagree with tables and locked nodes"
+        assert self._num_used == sum(1 for p in pins if p), "used count drifted"
+        evictable = sum(1 for b in range(self.num_blocks) if refs[b] and held[b] == refs[b])
+        assert self._evictable_blocks() == evictable, "cached count disagrees with unlocked-only blocks"
         assert sorted(self._free) == [b for b in range(self.num_blocks) if refs[b] == 0], "free != unreferenced"
 
 
