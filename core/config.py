@@ -49,6 +49,8 @@ class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     num_kv_blocks: int = 0
     seed: int = 0
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
+    max_restarts: int = 5  # failed steps in a row before the engine gives up (core/health.py)
+    restart_backoff_s: float = 0.5  # first wait before restarting the step loop; doubles per failure
 
 
 @dataclass(slots=True)
@@ -165,7 +167,8 @@ def _check_engine(e: EngineOptions) -> None:
         raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {e.dtype!r}")
     if e.block_size < 1 or e.block_size & (e.block_size - 1):
         raise ConfigError(f"block_size must be a power of two, got {e.block_size}")
-    for key in ("max_model_len", "kv_cache_memory_mb", "num_kv_blocks", "seed", "num_threads"):
+    for key in ("max_model_len", "kv_cache_memory_mb", "num_kv_blocks", "seed", "num_threads", "max_restarts",
+                "restart_backoff_s"):
         if getattr(e, key) < 0:
             raise ConfigError(f"{key} must be >= 0, got {getattr(e, key)}")
 

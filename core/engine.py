@@ -5,6 +5,7 @@ TokenDeltas that ends with exactly one Finished."""
 from __future__ import annotations
 
 import asyncio
+import heapq
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,8 +17,9 @@ import structlog
 from tokenloom.core.build import EngineParts, build_engine_parts
 from tokenloom.core.config import EngineConfig
 from tokenloom.core.detokenizer import IncrementalDetokenizer
-from tokenloom.core.errors import ClientError, EngineDeadError, RequestTooLong
-from tokenloom.core.inputs import encode_prompt
+from tokenloom.core.errors import ClientError, RequestTooLong
+from tokenloom.core.health import EngineHealth, HealthReport
+from tokenloom.core.inputs import encode_prompt, refuse_by_size
 from tokenloom.core.metrics import EngineCounters, RequestTimer, StepStats
 from tokenloom.core.outputs import Finished, Logprob, TokenDelta, TokenLogprobs, Usage
 from tokenloom.core.plugins import PluginManager
@@ -50,9 +52,13 @@ class AsyncEngine:
         self._requests: dict[str, _Request] = {}
         self._pending_aborts: list[str] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenloom-step")
+        # Long prompts are tokenised here, off the event loop and beside the step thread.
+        self._tokenize_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenloom-tokenize")
         self._loop_task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
-        self._dead: BaseException | None = None
+        self._deadlines: list[tuple[float, int, str]] = []  # heap of (deadline, seq_id, request_id)
+        self.health = EngineHealth(config.engine.max_restarts, config.engine.restart_backoff_s)
+        self.dead_event = asyncio.Event()  # set once the engine gives up (see core/health.py)
         self._observe_steps = self.pm.has_impl("step_finished")
         self._observe_requests = self.pm.has_impl("request_finished")
         self._started_hook_called = False
@@ -66,8 +72,7 @@ class AsyncEngine:
 
     # ---- submission -------------------------------------------------------------
     def _ensure_loop(self) -> None:
-        if self._dead is not None:
-            raise EngineDeadError(f"engine stopped after an internal error: {self._dead}")
+        self.health.check(time.monotonic())  # raises EngineUnavailable while restarting or dead
         if self._loop_task is None or self._loop_task.done():
             self._wakeup = asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._run_loop(), name="tokenloom-step-loop")
@@ -75,21 +80,41 @@ class AsyncEngine:
                 self._started_hook_called = True
                 self.pm.hook.engine_started(config=self.config, engine=self)
 
-    def prompt_ids(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:
-        return encode_prompt(self.tokenizer, self.model_config.vocab_size, prompt, messages)
+    def prompt_ids(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
+                   parse_special_tokens: bool | None = None) -> list[int]:
+        """Token ids of a request's input (see :func:`encode_prompt`); a text that cannot
+        fit the context is refused before it is tokenised."""
+        refuse_by_size(self.tokenizer, self.max_model_len, prompt, messages)
+        return encode_prompt(self.tokenizer, self.model_config.vocab_size, prompt, messages,
+                             parse_special_tokens=parse_special_tokens)
+
+    async def prompt_ids_async(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
+                               parse_special_tokens: bool | None = None) -> list[int]:
+        """:meth:`prompt_ids` for servers: text is tokenised in a worker thread, so a long
+        prompt never stalls the event loop (other clients' streams, pings)."""
+        if prompt is not None and not isinstance(prompt, str):
+            return self.prompt_ids(prompt, messages, parse_special_tokens)
+        refuse_by_size(self.tokenizer, self.max_model_len, prompt, messages)  # before any thread hop
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_executor, self.prompt_ids, prompt, messages, parse_special_tokens)
 
     def submit(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
                messages: list[dict] | None = None, request_id: str | None = None,
-               cache_salt: str | None = None) -> _Request:
-        """Validate and enqueue; raises ClientError before anything is accepted.
-        Requests with different ``cache_salt`` never share prefix-cache blocks (tenants)."""
-        self._ensure_loop()
+               cache_salt: str | None = None, parse_special_tokens: bool | None = None) -> _Request:
+        """Validate and enqueue; raises ClientError before anything is accepted, and
+        EngineUnavailable while the engine cannot serve. Requests with different
+        ``cache_salt`` never share prefix-cache blocks (tenants). A server tokenises first
+        with :meth:`prompt_ids_async` and submits the ids."""
         params = params or SamplingParams()
         params.validate(self.model_config.vocab_size)
+        self._ensure_loop()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
             raise ClientError(f"request id {request_id!r} is already in use", param="request_id", value=request_id)
-        ids = self.prompt_ids(prompt, messages)
+        ids = self.prompt_ids(prompt, messages, parse_special_tokens)
+        if len(ids) >= self.max_model_len:
+            raise RequestTooLong(f"prompt ({len(ids)} tokens) leaves no room to generate within the context "
+                                 f"length {self.max_model_len}", param="prompt", value=len(ids))
         if len(ids) + params.max_tokens > self.max_model_len:
             raise RequestTooLong(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
@@ -100,6 +125,8 @@ class AsyncEngine:
         self.scheduler.add(seq)  # may raise RequestTooLong (can never fit the cache)
         req = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params.stop), asyncio.Queue())
         self._requests[request_id] = req
+        if params.timeout_s is not None:
+            heapq.heappush(self._deadlines, (seq.arrival_time + params.timeout_s, seq.seq_id, request_id))
         self.counters.prompt_tokens += len(ids)
         self._wakeup.set()
         return req
@@ -138,6 +165,7 @@ class AsyncEngine:
         try:
             while True:
                 self._apply_aborts()
+                self._expire_deadlines(time.monotonic())
                 if not self.scheduler.has_unfinished():
                     self._wakeup.clear()
                     await self._wakeup.wait()
@@ -149,21 +177,45 @@ class AsyncEngine:
                 t0 = time.perf_counter()
                 out = await loop.run_in_executor(self._executor, self.decoder.step, batch)
                 self._update(batch, out, time.perf_counter() - t0)
+                self.health.on_success()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the step failed: end every request, keep nothing hanging
-            log.exception("engine_step_failed", error=str(exc))
-            self._dead = exc
-            for req in list(self._requests.values()):
-                self.scheduler.abort(req.seq.request_id)
-                self._finish(req, SequenceStatus.FINISHED_ERROR, error=f"internal error: {type(exc).__name__}")
+            self._on_step_failure(exc)
+
+    def _on_step_failure(self, exc: Exception) -> None:
+        """End every request with an error, give their blocks back, then let the restart
+        policy (core/health.py) decide when the loop may run again."""
+        self.health.on_failure(exc, time.monotonic())
+        log.exception("engine_step_failed", error=str(exc), failures=self.health.failures,
+                      consecutive=self.health.consecutive, dead=self.health.dead)
+        self._pending_aborts.clear()
+        for req in list(self._requests.values()):
+            self._end_early(req, SequenceStatus.FINISHED_ERROR, error=f"internal error: {type(exc).__name__}")
+        if self.health.dead:
+            self.dead_event.set()
+
+    def health_report(self) -> HealthReport:
+        return self.health.report(time.monotonic())
+
+    def _expire_deadlines(self, now: float) -> None:
+        """Requests past ``timeout_s`` end like aborts (blocks back now), reason ``timeout``."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, seq_id, request_id = heapq.heappop(self._deadlines)
+            req = self._requests.get(request_id)
+            if req is not None and req.seq.seq_id == seq_id and not req.done:
+                self._end_early(req, SequenceStatus.FINISHED_TIMEOUT)
 
     def _apply_aborts(self) -> None:
         while self._pending_aborts:
             req = self._requests.get(self._pending_aborts.pop())
             if req is not None and not req.done:
-                self.scheduler.abort(req.seq.request_id)
-                self._finish(req, SequenceStatus.FINISHED_ABORTED)
+                self._end_early(req, SequenceStatus.FINISHED_ABORTED)
+
+    def _end_early(self, req: _Request, status: SequenceStatus, error: str | None = None) -> None:
+        """Abort, timeout or failure: the scheduler drops the sequence and frees its blocks now."""
+        self.scheduler.abort(req.seq.request_id)
+        self._finish(req, status, error)
 
     def _update(self, batch: Batch, out: dict[Sequence, list[int]], step_time: float) -> None:
         now = time.monotonic()
@@ -196,8 +248,7 @@ class AsyncEngine:
         c.generated_tokens += generated
         c.busy_time_s += step_time
         c.preemptions += len(batch.preempted)
-        num_blocks = self.cache.num_blocks
-        c.peak_kv_usage = max(c.peak_kv_usage, (num_blocks - self.cache.num_free_blocks) / num_blocks)
+        c.peak_kv_usage = max(c.peak_kv_usage, self.cache.num_used_blocks / self.cache.num_blocks)
         c.peak_running = max(c.peak_running, len(batch.seqs))
         if self._observe_steps:  # full stats only for observers: a radix cache walks its tree
             cache_stats = self.cache.stats()
@@ -231,11 +282,9 @@ class AsyncEngine:
     def _finish(self, req: _Request, status: SequenceStatus, error: str | None = None) -> None:
         seq = req.seq
         seq.status = status
-        if status is not SequenceStatus.FINISHED_ABORTED and status is not SequenceStatus.FINISHED_ERROR:
-            self.scheduler.finish(seq)
-        release = getattr(self.decoder, "release", None)
-        if release is not None:
-            release(seq)
+        if status in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH):
+            self.scheduler.finish(seq)  # aborts, errors and timeouts went through scheduler.abort
+        self.decoder.release(seq)
         tail = req.detok.take_delta(final=True)
         if tail:
             req.queue.put_nowait(TokenDelta(request_id=seq.request_id, text=tail, token_ids=[]))
@@ -266,7 +315,9 @@ class AsyncEngine:
         c = self.counters
         return {
             "running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
-            "kv_usage": cs.usage, "kv_blocks_free": cs.num_free_blocks, "kv_blocks_total": cs.num_blocks,
+            # every block is used (live sequences), cached (reclaimable prefix KV) or free
+            "kv_usage": cs.usage, "kv_blocks_used": cs.num_used_blocks, "kv_blocks_cached": cs.num_cached_blocks,
+            "kv_blocks_free": cs.num_free_blocks, "kv_blocks_total": cs.num_blocks,
             "kv_waste": cs.waste, "prefix_hit_rate": cs.hit_rate, "prefix_cached_blocks": cs.num_cached_blocks,
             "prefix_evictions": cs.num_evictions, "preemptions": c.preemptions,
             "steps": c.steps, "generated_tokens": c.generated_tokens, "prompt_tokens": c.prompt_tokens,
@@ -289,6 +340,7 @@ class AsyncEngine:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+        self._tokenize_executor.shutdown(wait=True)
 
 
 def _r(x: float | None) -> float | None:

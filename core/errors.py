@@ -54,7 +54,12 @@ class ServerError(TokenloomError, RuntimeError):
     code = "server_error"
 
 
-class EngineDeadError(ServerError):
-    """The step loop died; no further request can be served."""
+class EngineUnavailable(ServerError):
+    """The engine cannot take requests: a failed step's restart is pending
+    (``retry_after_ms`` says when to retry) or it failed too often and is dead (None)."""
 
-    code = "engine_dead"
+    code = "engine_unavailable"
+
+    def __init__(self, message: str, *, retry_after_ms: int | None = None):
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms

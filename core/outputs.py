@@ -40,7 +40,7 @@ class TokenDelta(msgspec.Struct, frozen=True, kw_only=True):
 
 class Finished(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
-    finish_reason: str  # stop | length | aborted | error
+    finish_reason: str  # stop | length | aborted | timeout | error
     text: str  # the whole generated text (== concatenation of the deltas)
     token_ids: list[int]
     usage: Usage

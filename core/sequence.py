@@ -20,6 +20,7 @@ class SequenceStatus(enum.IntEnum):
     FINISHED_LENGTH = 4  # max_tokens or the model's context
     FINISHED_ABORTED = 5  # the client cancelled, left, or the server shut down
     FINISHED_ERROR = 6  # rejected or failed on our side
+    FINISHED_TIMEOUT = 7  # past the request's deadline (SamplingParams.timeout_s)
 
     @property
     def is_finished(self) -> bool:
@@ -31,6 +32,7 @@ FINISH_REASONS = {
     SequenceStatus.FINISHED_LENGTH: "length",
     SequenceStatus.FINISHED_ABORTED: "aborted",
     SequenceStatus.FINISHED_ERROR: "error",
+    SequenceStatus.FINISHED_TIMEOUT: "timeout",
 }
 
 _seq_counter = itertools.count()

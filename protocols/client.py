@@ -51,6 +51,7 @@ class Client:
         self._queues: dict[str, asyncio.Queue] = {}
         self._pongs: asyncio.Queue = asyncio.Queue()
         self._ids = itertools.count(1)
+        self.accepted: set[str] = set()  # ids the server accepted (each owes exactly one `done`)
         self._ws = None
         self._reader: asyncio.Task | None = None
 
@@ -99,12 +100,15 @@ class Client:
 
     async def generate(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
                        params: SamplingParams | dict[str, Any] | None = None,
-                       id: str | None = None, cache_salt: str | None = None) -> AsyncIterator[Delta | Done]:
-        """Yield deltas, then the one ``done``. Raises :class:`RequestError` if refused."""
+                       id: str | None = None, cache_salt: str | None = None,
+                       parse_special_tokens: bool | None = None) -> AsyncIterator[Delta | Done]:
+        """Yield deltas, then the one ``done``. Raises :class:`RequestError` if refused.
+        ``parse_special_tokens``: see :class:`~tokenloom.protocols.messages.Generate`."""
         rid = id or f"r{next(self._ids)}"
         if isinstance(params, dict):
             params = msgspec.convert(params, SamplingParams)
         msg = Generate(id=rid, params=params or SamplingParams(), cache_salt=cache_salt,
+                       parse_special_tokens=parse_special_tokens,
                        prompt=prompt if isinstance(prompt, str) else None,
                        prompt_token_ids=prompt if isinstance(prompt, list) else None,
                        messages=[ChatMessage(role=m["role"], content=m["content"]) for m in messages]
@@ -120,6 +124,7 @@ class Client:
                 if isinstance(item, Error):
                     raise RequestError(item)
                 if isinstance(item, Accepted):
+                    self.accepted.add(rid)
                     continue
                 yield item
                 if isinstance(item, Done):

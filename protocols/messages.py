@@ -38,6 +38,9 @@ class Generate(msgspec.Struct, tag="generate", frozen=True, kw_only=True, forbid
     messages: Annotated[list[ChatMessage], msgspec.Meta(max_length=MAX_MESSAGES)] | None = None
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     cache_salt: Annotated[str, msgspec.Meta(max_length=256)] | None = None  # tenants never share KV
+    # Control-token strings (<|im_end|>, ...) in the input: None = parsed in a raw prompt,
+    # literal text in chat messages' content (so a user cannot forge a turn).
+    parse_special_tokens: bool | None = None
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -91,7 +94,7 @@ class MetricsOut(msgspec.Struct, frozen=True, kw_only=True):
 
 class Done(msgspec.Struct, tag="done", frozen=True, kw_only=True):
     id: str
-    finish_reason: str  # stop | length | cancelled | aborted | error
+    finish_reason: str  # stop | length | cancelled | aborted | timeout | error
     usage: Usage  # the engine's own struct: prompt, cached and completion tokens
     metrics: MetricsOut
     error: str | None = None
@@ -129,6 +132,8 @@ def decode_client(data: str | bytes) -> ClientMessage | Error:
     msgspec can tell, the offending parameter. No stack trace or path leaks out."""
     try:
         msg = _decoder.decode(data)
+    except RecursionError:  # msgspec recurses per nesting level; a hostile frame can nest deeply
+        return Error(code="invalid_json", message="JSON nested deeper than this server decodes")
     except msgspec.ValidationError as exc:
         text = str(exc)
         code = "unknown_type" if "Invalid value" in text and "$.type" in text else "invalid_message"
@@ -157,10 +162,19 @@ def _param_of(text: str) -> str | None:
     return None
 
 
+class _IdOnly(msgspec.Struct):
+    id: str | None = None
+
+
+_id_decoder = msgspec.json.Decoder(_IdOnly)
+
+
 def _id_of(data: str | bytes) -> str | None:
+    """The ``id`` of a frame that failed validation, so the error can name its request.
+    Typed, never untyped: other fields are skipped, not built (skipping still recurses,
+    hence RecursionError)."""
     try:
-        raw = msgspec.json.decode(data)
-    except msgspec.DecodeError:
+        rid = _id_decoder.decode(data).id
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None
-    rid = raw.get("id") if isinstance(raw, dict) else None
-    return rid if isinstance(rid, str) and 0 < len(rid) <= MAX_ID_LEN else None
+    return rid if rid is not None and 0 < len(rid) <= MAX_ID_LEN else None

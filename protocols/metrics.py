@@ -22,6 +22,11 @@ class ServerMetrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("tokenloom_requests", "Finished requests", ["finish_reason"], registry=r)
         self.overloaded = Counter("tokenloom_overloaded", "generate refused with `overloaded`", registry=r)
+        self.rate_limited = Counter("tokenloom_rate_limited", "generate refused with `rate_limited`", registry=r)
+        self.engine_unavailable = Counter("tokenloom_engine_unavailable",
+                                          "generate refused with `engine_unavailable`", registry=r)
+        self.engine_failures = Counter("tokenloom_engine_failures", "Engine steps that raised", registry=r)
+        self._failures_seen = 0
         self.prompt_tokens = Counter("tokenloom_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.cached_tokens = Counter("tokenloom_cached_prompt_tokens", "Prompt tokens served from cache", registry=r)
         self.completion_tokens = Counter("tokenloom_generation_tokens", "Generated tokens", registry=r)
@@ -49,6 +54,9 @@ class ServerMetrics:
 
     def render(self) -> str:
         s = self.engine.stats()
+        failures = self.engine.health_report().engine_failures
+        self.engine_failures.inc(failures - self._failures_seen)
+        self._failures_seen = failures
         self.running.set(s["running"])
         self.waiting.set(s["waiting"])
         self.kv_usage.set(s["kv_usage"])

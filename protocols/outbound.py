@@ -3,7 +3,9 @@
 A client that reads slowly makes deltas pile up; rather than growing a list of frames,
 each request keeps at most one pending ``delta`` (later text and token ids are appended
 to it), so memory grows with the text generated, not the number of steps, and nothing
-is ever lost. Control messages (accepted, done, error, pong) keep their order relative
+is ever lost. ``pending_bytes`` estimates what is held (text, ids, logprobs) so the
+connection can bound the bytes a non-reading client makes the server keep: past its
+limit the connection is cut, as after a send timeout. Control messages (accepted, done, error, pong) keep their order relative
 to a request's delta: a pending delta is flushed before that request's ``done``.
 """
 
@@ -14,6 +16,16 @@ from collections import OrderedDict, deque
 
 from tokenloom.protocols.messages import Delta, LogprobOut
 
+# Rough JSON sizes, enough to bound memory: a token id, a logprob entry, a control message.
+_ID_BYTES, _LOGPROB_BYTES, _MSG_BYTES = 8, 32, 256
+
+
+def _delta_bytes(text: str, token_ids: list[int], logprobs: list[LogprobOut] | None) -> int:
+    n = len(text) + _ID_BYTES * len(token_ids)
+    if logprobs:
+        n += sum(_LOGPROB_BYTES * (1 + len(lp.top)) for lp in logprobs)
+    return n
+
 
 class OutboundQueue:
     def __init__(self) -> None:
@@ -22,6 +34,8 @@ class OutboundQueue:
         self._ready = asyncio.Event()
         self.closed = False
         self.coalesced = 0  # deltas merged into an earlier pending one
+        self.pending_bytes = 0
+        self.peak_pending_bytes = 0
 
     def __len__(self) -> int:
         return len(self._items)
@@ -30,11 +44,17 @@ class OutboundQueue:
         if self.closed:
             return
         self._items.append(("msg", msg))
+        self._grow(_MSG_BYTES)
         self._ready.set()
+
+    def _grow(self, n: int) -> None:
+        self.pending_bytes += n
+        self.peak_pending_bytes = max(self.peak_pending_bytes, self.pending_bytes)
 
     def put_delta(self, rid: str, text: str, token_ids: list[int], logprobs: list[LogprobOut] | None) -> None:
         if self.closed:
             return
+        self._grow(_delta_bytes(text, token_ids, logprobs))
         pending = self._deltas.get(rid)
         if pending is None:
             self._deltas[rid] = {"text": [text], "token_ids": list(token_ids),
@@ -56,9 +76,12 @@ class OutboundQueue:
             await self._ready.wait()
         kind, value = self._items.popleft()
         if kind == "msg":
+            self.pending_bytes -= _MSG_BYTES
             return value
         d = self._deltas.pop(value)
-        return Delta(id=value, text="".join(d["text"]), token_ids=d["token_ids"], logprobs=d["logprobs"])
+        delta = Delta(id=value, text="".join(d["text"]), token_ids=d["token_ids"], logprobs=d["logprobs"])
+        self.pending_bytes -= _delta_bytes(delta.text, delta.token_ids, delta.logprobs)
+        return delta
 
     def close(self) -> None:
         self.closed = True

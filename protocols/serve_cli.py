@@ -21,6 +21,12 @@ def add_serve_parsers(sub) -> None:
     s.add_argument("--max-queue", type=int, default=256, help="unfinished requests before `overloaded`")
     s.add_argument("--send-timeout", type=float, default=10.0, help="seconds a blocked send may take")
     s.add_argument("--shutdown-deadline", type=float, default=30.0)
+    s.add_argument("--request-timeout", type=float, default=None, metavar="S",
+                   help="deadline for requests that set no timeout_s (finish reason `timeout`)")
+    s.add_argument("--rate-limit-rpm", type=int, default=None, metavar="N", help="requests per minute per connection")
+    s.add_argument("--rate-limit-tpm", type=int, default=None, metavar="N",
+                   help="tokens (prompt + max_tokens) per minute per connection")
+    s.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 
@@ -46,6 +52,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokenloom.core.logging import configure_logging
     from tokenloom.protocols.cli import _progress_bar
     from tokenloom.protocols.cli_args import flags_layer
+    from tokenloom.protocols.ratelimit import RateLimits
     from tokenloom.protocols.server import ServerOptions, TokenServer
 
     configure_logging("INFO")
@@ -53,9 +60,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = ServerOptions(host=args.host, port=args.port, api_key=_api_key(args.api_key_file),
                             allowed_origins=args.allow_origin, max_connections=args.max_connections,
                             max_queue=args.max_queue, send_timeout_s=args.send_timeout,
-                            shutdown_deadline_s=args.shutdown_deadline)
+                            shutdown_deadline_s=args.shutdown_deadline, default_timeout_s=args.request_timeout,
+                            rate_limits=RateLimits(args.rate_limit_rpm, args.rate_limit_tpm),
+                            public_metrics=args.public_metrics)
 
-    async def main() -> None:
+    async def main() -> int:
         server = TokenServer(engine, options)
         await server.start()
         print(f"serving {engine.model_name} on ws://{args.host}:{server.port}  "
@@ -64,13 +73,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        # An engine that gave up after repeated step failures (core/health.py) drains and
+        # exits non-zero, so that a supervisor (systemd, Kubernetes) starts a fresh process.
+        dead = asyncio.ensure_future(engine.dead_event.wait())
+        await asyncio.wait([asyncio.ensure_future(stop.wait()), dead], return_when=asyncio.FIRST_COMPLETED)
         await server.shutdown()
         await engine.shutdown()
+        if dead.done():
+            print(f"engine failed: {engine.health_report().reason}; exiting", file=sys.stderr, flush=True)
+            return 1
+        dead.cancel()
+        return 0
 
-    asyncio.run(main())
+    code = asyncio.run(main())
     engine.close()
-    return 0
+    return code
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

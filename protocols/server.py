@@ -4,7 +4,13 @@ One engine, many connections, many requests per connection. Reliability rules: a
 disconnect aborts every request of that connection (their KV blocks come back within
 one engine step); a client that stops reading gets its deltas coalesced, and after
 ``send_timeout_s`` of a blocked send its requests are aborted and the transport is cut;
-past ``max_queue`` unfinished requests a ``generate`` gets ``overloaded``; SIGTERM stops
+a client that holds more than ``max_pending_bytes`` of unsent output is cut the same way;
+past ``max_queue`` unfinished requests a ``generate`` gets ``overloaded``, past its
+connection's rate limit ``rate_limited``, and while the engine restarts after a failed
+step (or has given up) ``engine_unavailable``; prompts are tokenised off the event loop,
+and any frame that cannot be handled gets an ``error`` while the connection and its other
+requests carry on. With an API key set, the WebSocket and ``/metrics`` need it, and
+``/health`` without it answers only its status. SIGTERM stops
 accepting, lets running requests finish until a deadline, ends the rest as ``aborted``
 and closes every connection with 1001.
 """
@@ -16,34 +22,17 @@ import hmac
 import http
 import itertools
 import json
-from dataclasses import dataclass
+import resource
+from dataclasses import dataclass, field
 
 import structlog
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.datastructures import Headers
-from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Response
 
-from tokenloom.core.errors import ClientError
-from tokenloom.core.outputs import Finished
-from tokenloom.protocols.messages import (
-    PROTOCOL_VERSION,
-    Accepted,
-    Cancel,
-    Done,
-    Error,
-    Generate,
-    Limits,
-    LogprobOut,
-    MetricsOut,
-    Ping,
-    Pong,
-    Session,
-    decode_client,
-    encode,
-)
+from tokenloom.protocols.connection import Connection
 from tokenloom.protocols.metrics import ServerMetrics
-from tokenloom.protocols.outbound import OutboundQueue
+from tokenloom.protocols.ratelimit import RateLimits
 
 log = structlog.get_logger("tokenloom.server")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -60,6 +49,10 @@ class ServerOptions:
     max_requests_per_connection: int = 256
     max_frame_bytes: int = 1 << 20
     send_timeout_s: float = 10.0
+    max_pending_bytes: int = 8 << 20  # unsent output a connection may hold before it is cut
+    default_timeout_s: float | None = None  # a request's deadline when it sets no timeout_s
+    rate_limits: RateLimits = field(default_factory=RateLimits)  # per connection
+    public_metrics: bool = False  # serve /metrics without the API key (for a scraper)
     shutdown_deadline_s: float = 30.0
     retry_after_ms: int = 1000
     write_limit_bytes: int = 1 << 16  # websockets' write-buffer high-water mark
@@ -73,6 +66,7 @@ class TokenServer:
         self.metrics = ServerMetrics(engine)
         self.connections: set[Connection] = set()
         self.draining = False
+        self.num_admitting = 0  # generate requests being tokenised (count towards max_queue)
         self._server = None
         self._conn_ids = itertools.count(1)
 
@@ -94,24 +88,44 @@ class TokenServer:
     # ---- HTTP side of the port: health, metrics, auth, connection limit ---------------
     def _process_request(self, connection: ServerConnection, request) -> Response | None:
         path = request.path.split("?", 1)[0]
+        authorized = self._authorized(request)
         if path == "/health":
-            body = {"status": "draining" if self.draining else "ok", **self.engine.stats()}
-            return _response(200, json.dumps(body), "application/json")
+            return self._health(full=authorized)
         if path == "/metrics":
+            if not (authorized or self.options.public_metrics):
+                return _response(401, "missing or invalid API key\n")
             return _response(200, self.metrics.render(), self.metrics.content_type)
         if "upgrade" not in request.headers.get("Connection", "").lower():
             return _response(404, "not found: use /health, /metrics or a WebSocket upgrade\n")
-        if self.options.api_key is not None:
-            auth = request.headers.get("Authorization", "")
-            given = auth[7:] if auth.startswith("Bearer ") else ""
-            if not hmac.compare_digest(given.encode(), self.options.api_key.encode()):
-                log.warning("auth_refused", peer=str(connection.remote_address[0]))
-                return _response(401, "missing or invalid API key\n")
+        if not authorized:
+            log.warning("auth_refused", peer=str(connection.remote_address[0]))
+            return _response(401, "missing or invalid API key\n")
         if self.draining:
             return _response(503, "server is shutting down\n")
         if len(self.connections) >= self.options.max_connections:
             return _response(503, "too many connections\n")
         return None
+
+    def _authorized(self, request) -> bool:
+        if self.options.api_key is None:
+            return True
+        auth = request.headers.get("Authorization", "")
+        given = auth[7:] if auth.startswith("Bearer ") else ""
+        return hmac.compare_digest(given.encode(), self.options.api_key.encode())
+
+    def _health(self, *, full: bool) -> Response:
+        """200 while the engine can serve, 503 (with the reason) while draining, restarting
+        after a failed step, or dead. Without the API key: the status alone."""
+        report = self.engine.health_report()
+        status = "draining" if self.draining else report.status
+        body: dict = {"status": status}
+        if report.retry_after_ms is not None and not self.draining:
+            body["retry_after_ms"] = report.retry_after_ms
+        if full:
+            if status != "ok":
+                body["reason"] = "the server is shutting down" if self.draining else report.reason
+            body.update(engine_failures=report.engine_failures, **self.engine.stats(), **process_memory())
+        return _response(200 if status == "ok" else 503, json.dumps(body), "application/json")
 
     async def _handle(self, ws: ServerConnection) -> None:
         if self.options.socket_send_buffer:
@@ -147,140 +161,19 @@ class TokenServer:
         log.info("server_stopped")
 
 
+def process_memory() -> dict[str, int]:
+    """This process's resident memory now and at its peak, in bytes (Linux)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        rss = peak
+    return {"rss_bytes": rss, "peak_rss_bytes": peak}
+
+
 def _response(status: int, body: str, content_type: str = "text/plain; charset=utf-8") -> Response:
     data = body.encode()
     headers = Headers([("Content-Type", content_type), ("Content-Length", str(len(data))),
                        ("Connection", "close")])
     return Response(status, http.HTTPStatus(status).phrase, headers, data)
-
-
-class Connection:
-    def __init__(self, server: TokenServer, ws: ServerConnection, conn_id: int):
-        self.server, self.ws, self.conn_id = server, ws, conn_id
-        self.engine = server.engine
-        self.out = OutboundQueue()
-        self.tasks: dict[str, asyncio.Task] = {}  # client id -> streaming task
-        self.cancelled: set[str] = set()
-        self.log = log.bind(conn=conn_id)
-
-    def _engine_id(self, rid: str) -> str:
-        return f"c{self.conn_id}:{rid}"
-
-    async def run(self) -> None:
-        e, o = self.engine, self.server.options
-        self.out.put(Session(protocol=PROTOCOL_VERSION, model=e.model_name,
-                             limits=Limits(max_model_len=e.max_model_len, max_frame_bytes=o.max_frame_bytes,
-                                           max_queue=o.max_queue, max_tokens_default=256),
-                             strategies=e.config.to_dict()))
-        writer = asyncio.create_task(self._writer())
-        try:
-            async for frame in self.ws:
-                self._on_frame(frame)
-        except ConnectionClosed:
-            pass
-        finally:
-            self.abort_all()  # a disconnect aborts every request of this connection
-            self.out.close()
-            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-            writer.cancel()
-
-    def _on_frame(self, frame: str | bytes) -> None:
-        if isinstance(frame, bytes):
-            self.out.put(Error(code="binary_not_supported", message="send JSON text frames"))
-            return
-        msg = decode_client(frame)
-        if isinstance(msg, Error):
-            self.out.put(msg)
-        elif isinstance(msg, Ping):
-            self.out.put(Pong(data=msg.data))
-        elif isinstance(msg, Cancel):
-            self._cancel(msg.id)
-        elif isinstance(msg, Generate):
-            self._generate(msg)
-
-    def _generate(self, msg: Generate) -> None:
-        o, rid = self.server.options, msg.id
-        if self.server.draining:
-            self.out.put(Error(code="shutting_down", id=rid, message="the server is shutting down"))
-            return
-        if rid in self.tasks:
-            self.out.put(Error(code="duplicate_id", id=rid, param="id", message=f"request {rid!r} is already running"))
-            return
-        if len(self.tasks) >= o.max_requests_per_connection:
-            self.out.put(Error(code="too_many_requests", id=rid, message="too many requests on this connection"))
-            return
-        if self.engine.num_unfinished >= o.max_queue:
-            self.server.metrics.overloaded.inc()
-            self.out.put(Error(code="overloaded", id=rid, retry_after_ms=o.retry_after_ms,
-                               message=f"{self.engine.num_unfinished} requests queued; retry later"))
-            return
-        try:
-            prompt = msg.prompt if msg.prompt is not None else msg.prompt_token_ids
-            messages = [{"role": m.role, "content": m.content} for m in msg.messages] if msg.messages else None
-            req = self.engine.submit(prompt, msg.params, messages=messages, request_id=self._engine_id(rid),
-                                     cache_salt=msg.cache_salt)
-        except ClientError as exc:
-            self.out.put(Error(code=exc.code, id=rid, param=exc.param, message=str(exc)))
-            return
-        self.out.put(Accepted(id=rid))
-        self.tasks[rid] = asyncio.create_task(self._stream(rid, req))
-
-    async def _stream(self, rid: str, req) -> None:
-        try:
-            async for item in self.engine.stream(req):
-                if isinstance(item, Finished):
-                    self._done(rid, item)
-                else:
-                    lps = None
-                    if item.logprobs:
-                        lps = [LogprobOut(token_id=lp.token_id, logprob=lp.logprob,
-                                          top=[(t.token_id, t.logprob) for t in lp.top]) for lp in item.logprobs]
-                    self.out.put_delta(rid, item.text, item.token_ids, lps)
-        finally:
-            self.tasks.pop(rid, None)
-            self.cancelled.discard(rid)
-
-    def _done(self, rid: str, f: Finished) -> None:
-        reason = "cancelled" if f.finish_reason == "aborted" and rid in self.cancelled else f.finish_reason
-        self.server.metrics.observe_finished(reason, f)
-        m = f.metrics
-        self.out.put(Done(id=rid, finish_reason=reason, usage=f.usage,
-                          metrics=MetricsOut(ttft_ms=m.ttft_ms, tpot_ms=m.tpot_ms, e2e_ms=m.e2e_ms),
-                          error=f.error))
-
-    def _cancel(self, rid: str) -> None:
-        if rid not in self.tasks:
-            self.out.put(Error(code="unknown_id", id=rid, param="id", message=f"no running request {rid!r}"))
-            return
-        self.cancelled.add(rid)
-        self.engine.abort(self._engine_id(rid))
-
-    def abort_all(self) -> None:
-        for rid in list(self.tasks):
-            self.engine.abort(self._engine_id(rid))
-
-    async def _writer(self) -> None:
-        timeout = self.server.options.send_timeout_s
-        while True:
-            msg = await self.out.get()
-            if msg is None:
-                return
-            try:
-                await asyncio.wait_for(self.ws.send(encode(msg)), timeout)
-            except TimeoutError:
-                self.log.warning("send_timeout", seconds=timeout, pending=len(self.out))
-                self.abort_all()
-                self.out.close()
-                self.ws.transport.abort()  # cut: the peer is not reading
-                return
-            except ConnectionClosed:
-                return
-
-    async def drain_and_close(self, code: int, reason: str) -> None:
-        """Send what is queued (the final `done`s), then close."""
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-        loop = asyncio.get_running_loop()
-        end = loop.time() + self.server.options.send_timeout_s
-        while len(self.out) and loop.time() < end and not self.out.closed:
-            await asyncio.sleep(0.01)
-        await self.ws.close(code, reason)

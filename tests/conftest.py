@@ -95,3 +95,50 @@ def pytest_configure(config):
     from tokenloom.core.logging import configure_logging
 
     configure_logging("WARNING", "console")
+
+
+@pytest.fixture
+async def make_server(tiny_model_dir):
+    """Start a real WebSocket server on a loopback port over a tiny-model engine:
+    ``await make_server(engine={...}, plugins=[...], **ServerOptions)`` -> (server, url)."""
+    from tokenloom.core.build import config_from_sources
+    from tokenloom.core.engine import AsyncEngine
+    from tokenloom.core.plugins import PluginManager
+    from tokenloom.protocols.server import ServerOptions, TokenServer
+
+    made = []
+
+    async def factory(**opts):
+        engine_kw = opts.pop("engine", {})
+        pm = PluginManager(load_entry_points=False, extra=opts.pop("plugins", ()))
+        engine = AsyncEngine(config_from_sources(pm, None, None, tiny_engine_kwargs(tiny_model_dir, **engine_kw)),
+                             plugin_manager=pm)
+        server = TokenServer(engine, ServerOptions(port=0, **opts))
+        await server.start()
+        made.append(server)
+        return server, f"ws://127.0.0.1:{server.port}"
+
+    yield factory
+    for server in made:
+        await server.shutdown(deadline_s=0)
+        await server.engine.shutdown()
+        server.engine.close()
+
+
+async def collect(client, prompt=None, **kw):
+    """Run one request through a protocol Client: (text, final event, all events)."""
+    from tokenloom.protocols.messages import Delta
+
+    events = [ev async for ev in client.generate(prompt, **kw)]
+    return "".join(e.text for e in events if isinstance(e, Delta)), events[-1], events
+
+
+async def wait_idle(engine, timeout=5.0):
+    """Poll until the engine holds no request and no KV block is in use."""
+    import asyncio
+
+    for _ in range(int(timeout / 0.01)):
+        if engine.num_unfinished == 0 and engine.cache.stats().num_used_blocks == 0:
+            return True
+        await asyncio.sleep(0.01)
+    return False

@@ -55,7 +55,7 @@ def test_forced_preemption_is_invisible(tiny_model_dir, make_llm, cache):
             assert checker.preempted > 0 and llm.engine.counters.preemptions == checker.preempted
             assert sum(o.metrics.num_preemptions for o in outs) == checker.preempted
         stats = llm.engine.cache.stats()
-        assert stats.num_free_blocks == stats.num_blocks == 12
+        assert stats.num_used_blocks == 0 and stats.num_available_blocks == stats.num_blocks == 12
         assert llm.engine.num_unfinished == 0 and not llm.engine.scheduler.has_unfinished()
     finally:
         llm.close()
@@ -85,7 +85,7 @@ async def test_abort_returns_blocks_within_one_step(tiny_model_dir):
         assert not engine.abort("victim")  # already finished: nothing to abort
         other_items = await other_task
         assert other_items[-1].finish_reason == "length" and len(other_items[-1].token_ids) == 30
-        assert engine.cache.stats().num_free_blocks == engine.cache.num_blocks
+        assert engine.cache.stats().num_used_blocks == 0
     finally:
         await engine.shutdown()
         engine.close()
@@ -104,10 +104,10 @@ async def test_consumer_leaving_aborts(tiny_model_dir):
             break
         await stream.aclose()
         for _ in range(100):
-            if engine.cache.stats().num_free_blocks == engine.cache.num_blocks:
+            if engine.cache.stats().num_used_blocks == 0:
                 break
             await asyncio.sleep(0.01)
-        assert engine.cache.stats().num_free_blocks == engine.cache.num_blocks
+        assert engine.cache.stats().num_used_blocks == 0
         assert engine.num_unfinished == 0
     finally:
         await engine.shutdown()
@@ -178,4 +178,4 @@ def test_a_bad_request_in_a_batch_leaves_nothing_running(make_llm):
     with pytest.raises(ClientError):
         llm.generate([[1, 2], [3, 4], [5, 6]], params)
     assert llm.engine.num_unfinished == 0
-    assert llm.engine.cache.stats().num_free_blocks == llm.engine.cache.num_blocks
+    assert llm.engine.cache.stats().num_used_blocks == 0

@@ -21,7 +21,7 @@ CLI = [sys.executable, "-m", "tokenloom.protocols.cli"]
 def serve_process(tiny_model_dir):
     env = {**os.environ, "TOKENLOOM_LOG_FORMAT": "json"}
     proc = subprocess.Popen([*CLI, "serve", "--model", str(tiny_model_dir), "--dtype", "float32",
-                             "--num-kv-blocks", "128", "--port", "0", "--shutdown-deadline", "1"],
+                             "--num-kv-blocks", "128", "--port", "0", "--shutdown-deadline", "0.2"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     url = None
     for line in proc.stderr:
@@ -39,7 +39,7 @@ def serve_process(tiny_model_dir):
 async def test_sigterm_drains_aborts_and_exits_zero(serve_process):
     proc, url = serve_process
     async with Client(url) as client:
-        long = client.generate("long", params={"temperature": 0, "max_tokens": 900, "ignore_eos": True})
+        long = client.generate("long", params={"temperature": 0, "max_tokens": 1000, "ignore_eos": True})
         first = await long.__anext__()
         assert isinstance(first, Delta)
         proc.send_signal(signal.SIGTERM)

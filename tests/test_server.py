@@ -12,50 +12,13 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from tokenloom.core.build import config_from_sources
-from tokenloom.core.engine import AsyncEngine
-from tokenloom.core.plugins import PluginManager
 from tokenloom.protocols.client import Client, RequestError
 from tokenloom.protocols.messages import Delta, Done, decode_server, encode
-from tokenloom.protocols.server import ServerOptions, TokenServer
 
-from conftest import tiny_engine_kwargs
+from conftest import collect as _collect
+from conftest import wait_idle as _wait_idle
 
 LONG = {"temperature": 0, "max_tokens": 400, "ignore_eos": True}
-
-
-@pytest.fixture
-async def make_server(tiny_model_dir):
-    made = []
-
-    async def factory(**opts):
-        engine_kw = opts.pop("engine", {})
-        pm = PluginManager(load_entry_points=False)
-        engine = AsyncEngine(config_from_sources(pm, None, None, tiny_engine_kwargs(tiny_model_dir, **engine_kw)),
-                             plugin_manager=pm)
-        server = TokenServer(engine, ServerOptions(port=0, **opts))
-        await server.start()
-        made.append(server)
-        return server, f"ws://127.0.0.1:{server.port}"
-
-    yield factory
-    for server in made:
-        await server.shutdown(deadline_s=0)
-        await server.engine.shutdown()
-        server.engine.close()
-
-
-async def _collect(client, prompt, **kw):
-    events = [ev async for ev in client.generate(prompt, **kw)]
-    return "".join(e.text for e in events if isinstance(e, Delta)), events[-1], events
-
-
-async def _wait_idle(engine, timeout=5.0):
-    for _ in range(int(timeout / 0.01)):
-        if engine.num_unfinished == 0 and engine.cache.stats().num_free_blocks == engine.cache.num_blocks:
-            return True
-        await asyncio.sleep(0.01)
-    return False
 
 
 async def test_session_and_streaming_match_the_engine(make_server):
@@ -166,7 +129,11 @@ BAD_FRAMES = [
     ('{"type": "generate", "id": "a", "prompt": "x", "params": {"top_p": 0}}', "invalid_request", "top_p"),
     ('{"type": "generate", "id": "a", "prompt": ""}', "invalid_request", "prompt"),
     ('{"type": "generate", "id": "a"}', "invalid_request", "prompt"),
-    ('{"type": "generate", "id": "a", "prompt": "' + "x" * 2000 + '"}', "context_length_exceeded", "max_tokens"),
+    ('{"type": "generate", "id": "a", "prompt": "' + "x" * 2000 + '"}', "context_length_exceeded", "prompt"),
+    ('{"type": "generate", "id": "a", "prompt": "' + "x" * 1000 + '", "params": {"max_tokens": 100}}',
+     "context_length_exceeded", "max_tokens"),
+    ("[" * 1000 + "]" * 1000, "invalid_message", None),  # msgspec recurses per level: once a 1011
+    ('{"type": "ping", "data": ' + "[" * 2000 + "]" * 2000 + "}", "invalid_message", "data"),
     ('{"type": "generate", "id": "a", "prompt_token_ids": [1, 99999]}', "invalid_request", "prompt"),
     ('{"type": "generate", "id": "", "prompt": "x"}', "invalid_message", "id"),
     ('{"type": "cancel"}', "invalid_message", "id"),

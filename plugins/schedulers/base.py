@@ -70,9 +70,7 @@ class QueueScheduler:
         seq.num_computed_tokens = 0
 
     def finalize(self, batch: Batch) -> Batch:
-        take = getattr(self.cache, "take_copies", None)
-        if take is not None:
-            batch.copies = take()
+        batch.copies = self.cache.take_copies()
         return batch
 
     def _add_to_batch(self, batch: Batch, seq: Sequence, n: int) -> None:

@@ -22,7 +22,7 @@ class CacheAwareOptions(ContinuousOptions, kw_only=True, forbid_unknown_fields=T
 class CacheAwareScheduler(ContinuousScheduler):
     def __init__(self, options: CacheAwareOptions | None, cache, engine_config=None):
         options = options or CacheAwareOptions()
-        if getattr(cache, "caching", True) is False:
+        if not cache.prefix_caching:
             raise ConfigError("scheduler 'cache-aware' needs a prefix cache: set "
                               "cache_manager.enable_prefix_caching = true")
         if options.max_skips < 0 or options.lookahead < 1:

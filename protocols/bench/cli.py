@@ -72,6 +72,10 @@ def _add_serve_bench(bsub) -> None:
     sv.add_argument("--prompt-len", default="32-256")
     sv.add_argument("--output-len", default="32-128")
     sv.add_argument("--workload-seed", type=int, default=0)
+    sv.add_argument("--duration", type=float, default=None, metavar="S",
+                    help="soak: send for S seconds (the workload cycles), then check nothing was lost")
+    sv.add_argument("--disconnect-fraction", type=float, default=0.05,
+                    help="soak: share of requests whose client leaves mid-stream")
     sv.add_argument("--json", metavar="FILE")
     sv.set_defaults(func=lambda a: cmd_serve_bench(_default_rates(a)))
 

@@ -88,10 +88,20 @@ def format_serve(reports: list[dict]) -> str:
 
 
 def cmd_serve_bench(args) -> int:
+    from tokenloom.core import env
     from tokenloom.protocols.bench.offline import write_json
 
     workload = make_workload(args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len),
                              seed=args.workload_seed)
+    if args.duration is not None:
+        from tokenloom.protocols.bench.soak import format_soak, run_soak, soak_passed
+
+        reports = [asyncio.run(run_soak(args.url, float(rate), args.duration, workload, args.workload_seed,
+                                        args.disconnect_fraction, env.api_key())) for rate in args.rate]
+        for r in reports:
+            print(format_soak(r))
+        write_json({"url": args.url, "soak": reports}, args.json)
+        return 0 if all(soak_passed(r) for r in reports) else 1
     reports = []
     for rate in args.rate:
         rep = asyncio.run(run_serve_bench(args.url, float(rate), args.concurrency, workload, args.workload_seed))

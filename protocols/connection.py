@@ -1,0 +1,242 @@
+"""One WebSocket connection of `tokenloom serve`: its frames, its requests, its outbound queue.
+
+Each ``generate`` becomes a task that tokenises off the event loop, charges the
+connection's rate limit, submits to the engine and streams deltas into the coalescing
+outbound queue; one writer task sends that queue. A disconnect, a send timeout or too
+many unsent bytes abort every request of the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import msgspec
+import structlog
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+
+from tokenloom.core.errors import ClientError, EngineUnavailable
+from tokenloom.core.outputs import Finished, Usage
+from tokenloom.protocols.messages import (
+    PROTOCOL_VERSION,
+    Accepted,
+    Cancel,
+    Done,
+    Error,
+    Generate,
+    Limits,
+    LogprobOut,
+    MetricsOut,
+    Ping,
+    Pong,
+    Session,
+    decode_client,
+    encode,
+)
+from tokenloom.protocols.outbound import OutboundQueue
+from tokenloom.protocols.ratelimit import RateLimiter
+
+if TYPE_CHECKING:
+    from tokenloom.protocols.server import TokenServer
+
+log = structlog.get_logger("tokenloom.server")
+
+
+class Connection:
+    def __init__(self, server: TokenServer, ws: ServerConnection, conn_id: int):
+        self.server, self.ws, self.conn_id = server, ws, conn_id
+        self.engine = server.engine
+        self.out = OutboundQueue()
+        self.tasks: dict[str, asyncio.Task] = {}  # client id -> admission + streaming task
+        self.cancelled: set[str] = set()
+        self.closing = False  # set once every request of this connection is being aborted
+        self.limiter = RateLimiter(server.options.rate_limits)
+        self.log = log.bind(conn=conn_id)
+
+    def _engine_id(self, rid: str) -> str:
+        return f"c{self.conn_id}:{rid}"
+
+    async def run(self) -> None:
+        e, o = self.engine, self.server.options
+        self.out.put(Session(protocol=PROTOCOL_VERSION, model=e.model_name,
+                             limits=Limits(max_model_len=e.max_model_len, max_frame_bytes=o.max_frame_bytes,
+                                           max_queue=o.max_queue, max_tokens_default=256),
+                             strategies=e.config.to_dict()))
+        writer = asyncio.create_task(self._writer())
+        try:
+            async for frame in self.ws:
+                self._on_frame(frame)
+        except ConnectionClosed:
+            pass
+        finally:
+            self.abort_all()  # a disconnect aborts every request of this connection
+            self.out.close()
+            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+            writer.cancel()
+
+    def _on_frame(self, frame: str | bytes) -> None:
+        """Whatever a frame holds, it gets an answer and the connection carries on."""
+        try:
+            self._dispatch(frame)
+        except Exception:
+            self.log.exception("frame_failed")
+            self.out.put(Error(code="internal_error", message="the server failed to handle this frame"))
+
+    def _dispatch(self, frame: str | bytes) -> None:
+        if isinstance(frame, bytes):
+            self.out.put(Error(code="binary_not_supported", message="send JSON text frames"))
+            return
+        msg = decode_client(frame)
+        if isinstance(msg, Error):
+            self.out.put(msg)
+        elif isinstance(msg, Ping):
+            self.out.put(Pong(data=msg.data))
+        elif isinstance(msg, Cancel):
+            self._cancel(msg.id)
+        elif isinstance(msg, Generate):
+            self._generate(msg)
+
+    def _generate(self, msg: Generate) -> None:
+        o, rid = self.server.options, msg.id
+        if self.server.draining:
+            self.out.put(Error(code="shutting_down", id=rid, message="the server is shutting down"))
+            return
+        if rid in self.tasks:
+            self.out.put(Error(code="duplicate_id", id=rid, param="id", message=f"request {rid!r} is already running"))
+            return
+        if len(self.tasks) >= o.max_requests_per_connection:
+            self.out.put(Error(code="too_many_requests", id=rid, message="too many requests on this connection"))
+            return
+        queued = self.engine.num_unfinished + self.server.num_admitting
+        if queued >= o.max_queue:
+            self.server.metrics.overloaded.inc()
+            self.out.put(Error(code="overloaded", id=rid, retry_after_ms=o.retry_after_ms,
+                               message=f"{queued} requests queued; retry later"))
+            return
+        if wait := self.limiter.take_request():
+            self._rate_limited(rid, wait, "requests")
+            return
+        self.tasks[rid] = asyncio.create_task(self._serve(rid, msg))
+
+    def _rate_limited(self, rid: str, wait_ms: int, what: str) -> None:
+        self.server.metrics.rate_limited.inc()
+        self.out.put(Error(code="rate_limited", id=rid, retry_after_ms=wait_ms,
+                           message=f"this connection is over its {what} per minute; retry in {wait_ms} ms"))
+
+    async def _serve(self, rid: str, msg: Generate) -> None:
+        """One request: admission, then its stream. Whatever fails, the client hears of it:
+        an ``error`` before acceptance, exactly one ``done`` after."""
+        accepted = finished = False
+        try:
+            self.server.num_admitting += 1
+            try:
+                req = await self._admit(rid, msg)
+            finally:
+                self.server.num_admitting -= 1
+            if req is None:
+                return
+            self.out.put(Accepted(id=rid))
+            accepted = True
+            if rid in self.cancelled or self.closing:  # cancelled or disconnected while tokenising
+                self.engine.abort(self._engine_id(rid))
+            finished = await self._stream(rid, req)
+        except Exception:
+            self.log.exception("request_failed", id=rid)
+            if not accepted:
+                self.out.put(Error(code="internal_error", id=rid, message="the server failed to admit this request"))
+            elif not finished:
+                self.engine.abort(self._engine_id(rid))
+                self.out.put(Done(id=rid, finish_reason="error", error="internal error",
+                                  usage=Usage(prompt_tokens=0, cached_tokens=0, completion_tokens=0),
+                                  metrics=MetricsOut(ttft_ms=None, tpot_ms=None, e2e_ms=0.0)))
+        finally:
+            self.tasks.pop(rid, None)
+            self.cancelled.discard(rid)
+
+    async def _admit(self, rid: str, msg: Generate):
+        """Tokenise off the loop, charge the rate limit, submit; None (and an error sent) if refused."""
+        o, params = self.server.options, msg.params
+        if params.timeout_s is None and o.default_timeout_s is not None:
+            params = msgspec.structs.replace(params, timeout_s=o.default_timeout_s)
+        try:
+            params.validate(self.engine.model_config.vocab_size)  # before spending time on the prompt
+            messages = [{"role": m.role, "content": m.content} for m in msg.messages] if msg.messages else None
+            prompt = msg.prompt if msg.prompt is not None else msg.prompt_token_ids
+            ids = await self.engine.prompt_ids_async(prompt, messages, msg.parse_special_tokens)
+            if wait := self.limiter.take_tokens(len(ids) + params.max_tokens):
+                self._rate_limited(rid, wait, "tokens")
+                return None
+            return self.engine.submit(ids, params, request_id=self._engine_id(rid), cache_salt=msg.cache_salt)
+        except EngineUnavailable as exc:
+            self.server.metrics.engine_unavailable.inc()
+            self.out.put(Error(code=exc.code, id=rid, retry_after_ms=exc.retry_after_ms, message=str(exc)))
+        except ClientError as exc:
+            self.out.put(Error(code=exc.code, id=rid, param=exc.param, message=str(exc)))
+        return None
+
+    async def _stream(self, rid: str, req) -> bool:
+        """Forward the engine's stream; True once the ``done`` is queued."""
+        limit = self.server.options.max_pending_bytes
+        async for item in self.engine.stream(req):
+            if isinstance(item, Finished):
+                self._done(rid, item)
+                return True
+            lps = None
+            if item.logprobs:
+                lps = [LogprobOut(token_id=lp.token_id, logprob=lp.logprob,
+                                  top=[(t.token_id, t.logprob) for t in lp.top]) for lp in item.logprobs]
+            self.out.put_delta(rid, item.text, item.token_ids, lps)
+            if self.out.pending_bytes > limit and not self.out.closed:
+                self._cut("outbound_overflow", pending_bytes=self.out.pending_bytes, limit=limit)
+        return False
+
+    def _done(self, rid: str, f: Finished) -> None:
+        reason = "cancelled" if f.finish_reason == "aborted" and rid in self.cancelled else f.finish_reason
+        self.server.metrics.observe_finished(reason, f)
+        m = f.metrics
+        self.out.put(Done(id=rid, finish_reason=reason, usage=f.usage,
+                          metrics=MetricsOut(ttft_ms=m.ttft_ms, tpot_ms=m.tpot_ms, e2e_ms=m.e2e_ms),
+                          error=f.error))
+
+    def _cancel(self, rid: str) -> None:
+        if rid not in self.tasks:
+            self.out.put(Error(code="unknown_id", id=rid, param="id", message=f"no running request {rid!r}"))
+            return
+        self.cancelled.add(rid)
+        self.engine.abort(self._engine_id(rid))
+
+    def abort_all(self) -> None:
+        self.closing = True
+        for rid in list(self.tasks):
+            self.engine.abort(self._engine_id(rid))
+
+    def _cut(self, event: str, **details) -> None:
+        """The peer is not reading: abort its requests and drop the transport."""
+        self.log.warning(event, **details)
+        self.abort_all()
+        self.out.close()
+        self.ws.transport.abort()
+
+    async def _writer(self) -> None:
+        timeout = self.server.options.send_timeout_s
+        while True:
+            msg = await self.out.get()
+            if msg is None:
+                return
+            try:
+                await asyncio.wait_for(self.ws.send(encode(msg)), timeout)
+            except TimeoutError:
+                self._cut("send_timeout", seconds=timeout, pending=len(self.out))
+                return
+            except ConnectionClosed:
+                return
+
+    async def drain_and_close(self, code: int, reason: str) -> None:
+        """Send what is queued (the final `done`s), then close."""
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.server.options.send_timeout_s
+        while len(self.out) and loop.time() < end and not self.out.closed:
+            await asyncio.sleep(0.01)
+        await self.ws.close(code, reason)
