@@ -47,6 +47,24 @@ def _api_key(path: str | None) -> str | None:
     return env.api_key()
 
 
+async def serve_until_stopped(server, stop: asyncio.Event) -> int:
+    """Run a started server until ``stop`` is set (exit status 0) or its engine gives up
+    after repeated step failures (core/health.py): then drain and return 1, so that a
+    supervisor (systemd, Kubernetes) starts a fresh process."""
+    engine = server.engine
+    dead = asyncio.ensure_future(engine.dead_event.wait())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([stopped, dead], return_when=asyncio.FIRST_COMPLETED)
+    await server.shutdown()
+    await engine.shutdown()
+    for waiter in (dead, stopped):
+        waiter.cancel()
+    if engine.dead_event.is_set():
+        print(f"engine failed: {engine.health_report().reason}; exiting", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from tokenloom.core.engine import AsyncEngine
     from tokenloom.core.logging import configure_logging
@@ -65,25 +83,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             public_metrics=args.public_metrics)
 
     async def main() -> int:
-        server = TokenServer(engine, options)
-        await server.start()
-        print(f"serving {engine.model_name} on ws://{args.host}:{server.port}  "
-              f"(try: tokenloom chat --url ws://{args.host}:{server.port})", file=sys.stderr, flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        # An engine that gave up after repeated step failures (core/health.py) drains and
-        # exits non-zero, so that a supervisor (systemd, Kubernetes) starts a fresh process.
-        dead = asyncio.ensure_future(engine.dead_event.wait())
-        await asyncio.wait([asyncio.ensure_future(stop.wait()), dead], return_when=asyncio.FIRST_COMPLETED)
-        await server.shutdown()
-        await engine.shutdown()
-        if dead.done():
-            print(f"engine failed: {engine.health_report().reason}; exiting", file=sys.stderr, flush=True)
-            return 1
-        dead.cancel()
-        return 0
+        server = TokenServer(engine, options)
+        await server.start()
+        print(f"serving {engine.model_name} on ws://{args.host}:{server.port}  "
+              f"(try: tokenloom chat --url ws://{args.host}:{server.port})", file=sys.stderr, flush=True)
+        return await serve_until_stopped(server, stop)
 
     code = asyncio.run(main())
     engine.close()

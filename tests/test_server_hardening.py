@@ -331,3 +331,24 @@ async def test_unexpected_failures_still_answer_every_request(make_server, monke
         assert done.finish_reason == "error" and [type(e) for e in events].count(Done) == 1
         assert (await client.ping("alive")).data == "alive"
     assert await wait_idle(engine)
+
+
+async def test_serve_drains_and_exits_1_when_the_engine_gives_up(make_server, capsys):
+    from tokenloom.protocols.serve_cli import serve_until_stopped
+
+    faults = FaultInjector()
+    server, url = await make_server(plugins=[faults], engine={"decoder": "faulty", "max_restarts": 0})
+    stop = asyncio.Event()
+    serving = asyncio.ensure_future(serve_until_stopped(server, stop))
+    async with Client(url) as client:
+        faults.armed = 1
+        _, done, _ = await collect(client, "x", params={"max_tokens": 3, "ignore_eos": True})
+        assert done.finish_reason == "error"
+    assert await asyncio.wait_for(serving, 10) == 1
+    assert "engine failed" in capsys.readouterr().err
+
+    server, url = await make_server()  # and a plain stop exits 0
+    stop = asyncio.Event()
+    serving = asyncio.ensure_future(serve_until_stopped(server, stop))
+    stop.set()
+    assert await asyncio.wait_for(serving, 10) == 0
