@@ -15,6 +15,7 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
+from tokenloom.backends.torch_linear import pack
 from tokenloom.core.attention import AttentionInputs
 from tokenloom.core.hookspecs import hookimpl
 
@@ -24,21 +25,9 @@ class TorchBackendOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
     # plain [in, out] copy for MKL's GEMV at <= 4 rows and a oneDNN-packed copy for
     # batches, 1.5-2.8x faster than MKL there on an AVX2 EPYC. "mkl" or "onednn" keep one.
     cpu_linear: str = "dual"
-
-
-class PackedLinear:
-    """A CPU fp32 weight in the layout(s) the chosen GEMM wants."""
-
-    __slots__ = ("out_features", "in_features", "wt", "onednn")
-
-    def __init__(self, weight: torch.Tensor, mode: str):
-        self.out_features, self.in_features = weight.shape
-        self.wt = weight.t().contiguous() if mode in ("dual", "mkl") else None
-        self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None) if mode in ("dual", "onednn") else None
-
-    def nbytes(self) -> int:
-        """Bytes one matmul reads (one layout; fp32)."""
-        return self.out_features * self.in_features * 4
+    # 4-bit weights on CPU: above this many rows per matmul a dense bf16 copy (kept beside the
+    # int4 one) is faster than the int4 kernel; 0 keeps 4-bit only (least memory).
+    int4_max_rows: int = 8
 
 
 @dataclass(slots=True)
@@ -59,7 +48,8 @@ class TorchBackend:
 
     def __init__(self, options: TorchBackendOptions | None = None, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
-        self.cpu_linear = (options or TorchBackendOptions()).cpu_linear
+        options = options or TorchBackendOptions()
+        self.cpu_linear, self.int4_max_rows = options.cpu_linear, options.int4_max_rows
         if self.cpu_linear not in ("dual", "mkl", "onednn"):
             from tokenloom.core.errors import ConfigError
 
@@ -152,22 +142,10 @@ class TorchBackend:
     def rms_norm(self, x, weight, eps: float):
         return F.rms_norm(x.float(), (x.shape[-1],), weight, eps)
 
-    def pack_linear(self, weight):
-        """Called once per weight at load time; returns what ``linear`` will be given."""
-        if weight.dtype == torch.float32 and weight.device.type == "cpu":
-            return PackedLinear(weight, self.cpu_linear)
-        return weight
-
-    def linear(self, x, weight, bias=None):
-        if isinstance(weight, PackedLinear):
-            x2 = x.reshape(-1, x.shape[-1])
-            if weight.onednn is None or (weight.wt is not None and x2.shape[0] <= 4):
-                out = torch.mm(x2, weight.wt)
-            else:
-                out = torch.ops.mkldnn._linear_pointwise(x2, weight.onednn, None, "none", [], "")
-            out = out.view(*x.shape[:-1], weight.out_features)
-            return out + bias if bias is not None else out
-        return F.linear(x, weight, bias)
+    def pack_linear(self, spec, dtype):
+        """Called once per matmul at load time: the LinearWeight this machine computes it
+        with (backends/torch_linear.py says which kernel for which spec)."""
+        return pack(spec, dtype, cpu_linear=self.cpu_linear, int4_max_rows=self.int4_max_rows)
 
     def silu_mul(self, gate, up):
         return F.silu(gate) * up

@@ -49,19 +49,21 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager, progress=None) -
     ckpt = load_checkpoint(path, formats, dtype, progress)
     mcfg = ckpt.config
     max_model_len = min(e.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-    num_blocks = e.num_kv_blocks or ModelRunner.num_blocks_for(mcfg, dtype, e.block_size, e.kv_cache_memory_mb)
     backend = backend_entry.factory(config.backend.options, device)
     tokenizer, name = ckpt.tokenizer, ckpt.name
-    runner = ModelRunner(ckpt, backend=backend, dtype=dtype, device=device, num_blocks=num_blocks,
+    # The quantisation method: [quantizer] if given, else what the checkpoint says it is.
+    method = config.quantizer.name if config.quantizer is not None else (ckpt.quant_method or "none")
+    quantizer = pm.get("quantizer", method).factory(config.quantizer.options if config.quantizer else None)
+    runner = ModelRunner(ckpt, backend=backend, quantizer=quantizer, dtype=dtype, device=device,
                          block_size=e.block_size, max_model_len=max_model_len, seed=e.seed)
-    if config.quantizer is not None:
-        quantizer = pm.get("quantizer", config.quantizer.name).factory(config.quantizer.options)
-        runner.model = quantizer.quantize(runner.model, None)
+    # Last, the KV pool: sized from what is left once the weights are in place.
+    num_blocks = e.num_kv_blocks or ModelRunner.num_blocks_for(mcfg, dtype, e.block_size, e.kv_cache_memory_mb)
+    runner.allocate_kv_cache(num_blocks)
     cache = pm.get("cache_manager", config.cache_manager.name).factory(
         config.cache_manager.options, num_blocks, e.block_size)
     scheduler = pm.get("scheduler", config.scheduler.name).factory(config.scheduler.options, cache, config)
     decoder = pm.get("decoder", config.decoder.name).factory(config.decoder.options, runner)
-    log.info("engine_built", model=name, format=ckpt.format, device=str(device), dtype=str(dtype),
+    log.info("engine_built", model=name, format=ckpt.format, quantization=method, device=str(device), dtype=str(dtype),
              num_kv_blocks=num_blocks, block_size=e.block_size, max_model_len=max_model_len,
              **{role: strategy for role, strategy in config.selection().items()})
     return EngineParts(tokenizer, mcfg, name, max_model_len, runner, cache, scheduler, decoder)

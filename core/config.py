@@ -132,7 +132,9 @@ def build_config(pm: PluginManager, *layers: Mapping[str, Any]) -> EngineConfig:
     for role in SELECTABLE_ROLES:
         table = dict(role_tables.get(role, {}))
         name = table.pop("name", DEFAULT_STRATEGIES[role])
-        if name is None or name == "none":
+        # "none" deselects a role, except for the quantizer, where it is a strategy: dense
+        # weights (no [quantizer] at all means: what the checkpoint's metadata says).
+        if name is None or (name == "none" and role != "quantizer"):
             if table:
                 raise ConfigError(f"options given for {ROLE_LABELS[role]} but none is selected")
             setattr(config, role, None)

@@ -51,8 +51,12 @@ def register_quantizers(register):
 
     Called once per plugin manager, at start-up.
 
-    :param register: as for :func:`register_schedulers`; ``factory(options)`` returns an
-        object with ``quantize(model, calibration) -> model`` and ``load(checkpoint)``.
+    :param register: as for :func:`register_schedulers`; ``factory(options)`` returns a
+        :class:`tokenloom.core.interfaces.Quantizer`. It is called while the model loads,
+        before anything is packed or moved to the device: for each matmul slot (q/k/v and
+        gate/up fused) it turns the checkpoint's raw tensors (quantised ones untouched) into
+        a weight spec, which the backend packs for its kernels; the KV pool is sized after.
+        The method comes from the checkpoint's metadata unless ``[quantizer]`` names one.
     :returns: nothing; results are ignored.
     """
 

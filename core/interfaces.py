@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from tokenloom.core.sequence import Batch, Sequence
+from tokenloom.core.weights import LinearSlot, LinearWeight, WeightSpec
 
 
 @dataclass(slots=True)
@@ -134,6 +135,20 @@ class Scheduler(Protocol):
 
 
 @runtime_checkable
+class Quantizer(Protocol):
+    """The middle of the load pipeline: one matmul slot's raw checkpoint tensors in, a
+    weight spec out (a dense tensor, QuantizedWeight or Fp8Weight), which the backend then
+    packs. Chosen by the checkpoint's metadata (GGUF tensor types, quantize_config.json,
+    config.json's quantization_config) or by ``[quantizer]``."""
+
+    def weight_spec(self, slot: LinearSlot, tensors) -> WeightSpec:
+        """Take the tensors of ``slot.parts`` from ``tensors`` (a CheckpointTensors: each
+        part's ``.weight``, or ``.qweight``/``.qzeros``/``.scales``/``.g_idx`` for GPTQ)
+        and return the fused weight [sum of the parts' out features, in features]. A
+        missing or misshapen tensor raises ValueError naming it."""
+
+
+@runtime_checkable
 class Decoder(Protocol):
     def step(self, batch: Batch) -> dict[Sequence, list[int]]:
         """Run one step; return the new tokens of each sequence that sampled this step."""
@@ -166,10 +181,9 @@ class Backend(Protocol):
 
     def rms_norm(self, x, weight, eps: float): ...
 
-    def pack_linear(self, weight):
-        """Called once per matmul weight at load time; returns what ``linear`` will get
-        (the weight itself when the backend has no layout of its own)."""
-
-    def linear(self, x, weight, bias=None): ...
+    def pack_linear(self, spec: WeightSpec, dtype) -> LinearWeight:
+        """Called once per matmul at load time, with the spec already on the device: lay
+        it out for this machine's kernels (a 4-bit spec stays 4-bit where a kernel exists,
+        else it is dequantised to ``dtype``) and return the object the model calls."""
 
     def silu_mul(self, gate, up): ...

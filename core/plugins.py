@@ -36,6 +36,8 @@ BUILTIN_PLUGINS = (
     "tokenloom.plugins.cache.contiguous",
     "tokenloom.plugins.cache.radix",
     "tokenloom.plugins.decoders.standard",
+    "tokenloom.plugins.quantizers.native",
+    "tokenloom.plugins.quantizers.online",
     "tokenloom.plugins.formats",
     "tokenloom.backends.torch_backend",
 )

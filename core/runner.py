@@ -35,18 +35,23 @@ def pick_device(device: str) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, checkpoint: LoadedCheckpoint, *, backend, dtype: torch.dtype, device: torch.device,
-                 num_blocks: int, block_size: int, max_model_len: int, seed: int = 0):
+    def __init__(self, checkpoint: LoadedCheckpoint, *, backend, quantizer, dtype: torch.dtype,
+                 device: torch.device, block_size: int, max_model_len: int, seed: int = 0):
+        """Build the model on ``device`` and load it (each matmul through ``quantizer``,
+        packed by ``backend``). The KV pool comes after: :meth:`allocate_kv_cache`."""
         self.cfg = checkpoint.config
         self.backend, self.dtype, self.device = backend, dtype, device
-        self.block_size, self.num_blocks, self.max_model_len = block_size, num_blocks, max_model_len
-        self.model = LlamaModel(self.cfg, dtype, backend, max_model_len)
-        self.model.load_weights(checkpoint.weights)
-        self.model.to(device)
-        checkpoint.weights.clear()  # let the dequantised copies go
-        self.kv_caches = backend.allocate_kv_cache(self.cfg.num_layers, num_blocks, block_size,
-                                                   self.cfg.num_kv_heads, self.cfg.head_dim, dtype)
+        self.block_size, self.max_model_len = block_size, max_model_len
+        self.model = LlamaModel(self.cfg, dtype, backend, max_model_len).to(device)
+        self.model.load_weights(checkpoint.weights, quantizer)  # takes (empties) the checkpoint's tensors
+        self.num_blocks = 0
+        self.kv_caches: list = []
         self.sampler = Sampler(seed, device)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.kv_caches = self.backend.allocate_kv_cache(self.cfg.num_layers, num_blocks, self.block_size,
+                                                        self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype)
 
     @staticmethod
     def num_blocks_for(cfg, dtype: torch.dtype, block_size: int, memory_mb: int) -> int:

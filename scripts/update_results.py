@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tokenloom.protocols.bench.decode import format_decode
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench-results"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -53,14 +55,9 @@ def machine() -> str:
 def render(decode: dict, offline: dict, shared: dict, multi: dict, peers: dict | None) -> str:
     today = datetime.date.today().isoformat()
     lines = [START, f"_Generated {today} by `make results` on {machine()}; model SmolLM2-135M-Instruct "
-                    f"(Q4_1 GGUF, dequantised to {decode['dtype']})._", ""]
-    lines += ["**Decode** (`tokenloom bench decode`): weights "
-              f"{decode['weight_bytes'] / 1e6:.0f} MB, read bandwidth {decode['read_bandwidth_gbs']:.1f} GB/s, "
-              f"floor {decode['floor_ms_per_token']:.1f} ms/token.", "",
-              "| batch | decode tok/s | ms/step | share of bandwidth floor |", "| --- | --- | --- | --- |"]
-    for r in decode["results"]:
-        share = f"{100 * r['fraction_of_floor']:.0f}%" if "fraction_of_floor" in r else "-"
-        lines.append(f"| {r['batch_size']} | {r['decode_tok_s']:.1f} | {r['ms_per_step']:.0f} | {share} |")
+                    "(Q4_1 GGUF; `gguf` keeps its 4-bit blocks, `none` dequantises them)._", ""]
+    lines += ["**Decode** (`tokenloom bench decode`): each quantizer and dtype in one run.", "",
+              format_decode(decode)]
     wl = offline["workload"]
     lines += ["", f"**Offline** (`tokenloom bench offline`): {wl['num_requests']} requests, prompts "
                   f"{wl['prompt_len']}, outputs {wl['output_len']} tokens, EOS ignored.", "",
@@ -104,7 +101,8 @@ def main() -> int:
     # --quick keeps 64 requests for the offline comparison (fewer would fit one static batch
     # and hide what continuous batching changes) but shortens them, and runs 16 for peers.
     n, plen, olen = ("16", "32-256", "32-128") if args.quick else ("64", "32-512", "32-256")
-    decode = bench("decode", "decode", "--batch-sizes", "1,32", "--gen", "64")
+    decode = bench("decode", "decode", "--batch-sizes", "1,32", "--gen", "64", "--quantizers", "gguf,none",
+                   "--dtypes", "auto,float32")
     offline = bench("offline", "offline", "--combo", "continuous+paged", "--combo", "static+contiguous",
                     "--num-requests", "64", "--prompt-len", plen, "--output-len", olen,
                     "--plot", str(OUT / "offline.png"))

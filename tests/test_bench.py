@@ -144,7 +144,28 @@ def test_offline_and_decode_commands_on_a_tiny_model(tiny_model_dir, tmp_path):
     assert report["results"][0]["output_tokens"] == report["results"][1]["output_tokens"] == \
         report["workload"]["output_tokens"]
     dec = subprocess.run([*base, "decode", "--batch-sizes", "1,3", "--gen", "4", "--json", str(tmp_path / "d.json"),
-                          *model], capture_output=True, text=True, timeout=300)
+                          "--dtypes", "float32,bfloat16", *model], capture_output=True, text=True, timeout=300)
     assert dec.returncode == 0, dec.stderr[-2000:]
     d = json.loads((tmp_path / "d.json").read_text())
-    assert [r["batch_size"] for r in d["results"]] == [1, 3] and "fraction_of_floor" in d["results"][0]
+    assert [v["dtype"] for v in d["variants"]] == ["float32", "bfloat16"]
+    for v in d["variants"]:
+        assert [r["batch_size"] for r in v["results"]] == [1, 3] and "fraction_of_floor" in v["results"][0]
+    assert d["variants"][1]["weight_bytes"] < d["variants"][0]["weight_bytes"]
+    assert "| float32 |" not in dec.stdout and "1.00x" in dec.stdout  # a row per variant, ratio to the first
+
+
+@pytest.mark.slow
+async def test_soak_loses_nothing_under_overload_and_disconnects(make_server):
+    """A short soak (the 10-minute one is `tokenloom bench serve --duration 600`): Poisson
+    arrivals past capacity, a third of the clients leaving mid-stream, a small queue so some
+    requests are refused; every accepted request still ends in exactly one `done`, and
+    afterwards nothing runs and no block is in use."""
+    from tokenloom.protocols.bench.soak import format_soak, run_soak, soak_passed
+
+    server, url = await make_server(max_queue=6, engine={"num_kv_blocks": 48})
+    work = make_workload(16, (4, 40), (20, 120), seed=1, token_range=(0, 256))
+    rep = await run_soak(url, 60.0, 4.0, work, seed=0, disconnect_fraction=0.3, sample_every_s=1.0)
+    assert soak_passed(rep), format_soak(rep)
+    assert rep["accepted"] > 20 and rep["disconnected"] > 0 and rep["refused"].get("overloaded", 0) > 0
+    assert rep["after"]["kv_blocks_used"] == 0 and rep["lost"] == 0
+    assert "lost (accepted, no done) | 0" in format_soak(rep)

@@ -1,4 +1,4 @@
-"""Checkpoint loading: GGUF files and Hugging Face directories, dequantised to torch."""
+"""Checkpoint loading: GGUF files and Hugging Face directories, as raw tensors."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from tokenloom.core.tokenizer import Tokenizer
 @dataclass(slots=True)
 class LoadedCheckpoint:
     config: ModelConfig
-    weights: dict[str, Any]  # HF tensor names -> torch tensors
+    weights: dict[str, Any]  # HF tensor names -> torch tensors, or raw quantised tensors (GGUFTensor, ...)
     tokenizer: Tokenizer
     name: str
     format: str
+    quant_method: str | None = None  # what the checkpoint's own metadata says it is quantised with

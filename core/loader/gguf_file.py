@@ -1,9 +1,16 @@
-"""GGUF checkpoints (llama.cpp's format), dequantised with the `gguf` package."""
+"""GGUF checkpoints (llama.cpp's format).
+
+Tensors of the types tokenloom computes with natively (Q4_0, Q4_1, Q8_0) come back raw, as
+:class:`GGUFTensor`: the `gguf` quantizer turns them into integer codes with scales and zero
+points without ever going through floats, the `none` quantizer dequantises them. Every other
+type is dequantised here with the `gguf` package.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -12,8 +19,53 @@ import torch
 from tokenloom.core.loader import LoadedCheckpoint
 from tokenloom.core.models.config import ModelConfig
 from tokenloom.core.tokenizer import Tokenizer
+from tokenloom.core.weights import QuantizedWeight
 
 SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
+NATIVE_TYPES = {"Q4_0", "Q4_1", "Q8_0"}  # kept quantised: blocks of 32 with fp16 scale (and min)
+_BLOCK = 32
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFTensor:
+    """A quantised GGUF tensor, untouched: ``blocks`` is [rows, row_bytes] uint8 in ggml's
+    block layout, ``shape`` is (rows, columns) = (out, in). ``row_order`` un-permutes Q/K."""
+
+    name: str
+    qtype: str
+    blocks: np.ndarray
+    shape: tuple[int, int]
+    row_order: np.ndarray | None = None  # new row i is stored row row_order[i]
+
+    def to_quantized(self) -> QuantizedWeight:
+        """Integer codes, scales and zero points, exactly as llama.cpp decodes them:
+        Q4_0 w = d * (q - 8); Q4_1 w = d * q + m (zero = -m / d); Q8_0 w = d * q (q int8)."""
+        rows, cols = self.shape
+        b = self.blocks.reshape(rows, cols // _BLOCK, -1)
+        d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        if self.qtype == "Q8_0":
+            codes = b[..., 2:].copy().view(np.int8).astype(np.int16) + 128
+            zeros, bits = np.full_like(d, 128.0), 8
+        else:
+            first = 4 if self.qtype == "Q4_1" else 2
+            qs = b[..., first:first + 16]
+            codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # low nibbles are values 0..15
+            bits = 4
+            if self.qtype == "Q4_1":
+                m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+                flat = d == 0  # a constant block: w = m, written as (0 - (-1)) * m
+                zeros = -m / np.where(flat, 1.0, d)
+                codes[flat] = 0
+                d, zeros = np.where(flat, m, d), np.where(flat, -1.0, zeros)
+            else:
+                zeros = np.full_like(d, 8.0)
+        qw = QuantizedWeight(codes=torch.from_numpy(codes.reshape(rows, cols).astype(np.uint8)),
+                             scales=torch.from_numpy(np.ascontiguousarray(d)),
+                             zeros=torch.from_numpy(np.ascontiguousarray(zeros)), bits=bits, group_size=_BLOCK)
+        return qw.rows(torch.from_numpy(self.row_order)) if self.row_order is not None else qw
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.to_quantized().dequantize(dtype)
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -95,6 +147,16 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: Callable[[int, int], Non
         qtype = t.tensor_type.name
         if qtype not in SUPPORTED_TYPES:
             raise ValueError(f"tensor {t.name}: GGUF type {qtype} is not supported")
+        if qtype in NATIVE_TYPES and len(t.shape) == 2:
+            rows, cols = int(t.shape[1]), int(t.shape[0])
+            order = None
+            if t.name.startswith("blk.") and (".attn_q." in t.name or ".attn_k." in t.name):
+                heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
+                order = unpermute_qk(np.arange(rows)[:, None], heads)[:, 0]
+            weights[hf_name(t.name)] = GGUFTensor(t.name, qtype, t.data, (rows, cols), order)
+            if progress is not None:
+                progress(i + 1, total)
+            continue
         arr = dequantize(t.data, t.tensor_type)  # [out, in] float32 (or a read-only memmap for F32)
         arr = np.array(arr, dtype=np.float32, copy=True).reshape(tuple(int(x) for x in reversed(t.shape)))
         if t.name.startswith("blk.") and ".attn_q." in t.name:
@@ -106,4 +168,6 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: Callable[[int, int], Non
         if progress is not None:
             progress(i + 1, total)
     tokenizer = Tokenizer.from_gguf_metadata(meta)
-    return LoadedCheckpoint(cfg, weights, tokenizer, name=meta.get("general.name", path.stem), format="gguf")
+    quantized = any(isinstance(w, GGUFTensor) for w in weights.values())
+    return LoadedCheckpoint(cfg, weights, tokenizer, name=meta.get("general.name", path.stem), format="gguf",
+                            quant_method="gguf" if quantized else None)

@@ -3,15 +3,26 @@
 Weights use Hugging Face names; q/k/v and gate/up are fused at load time so each layer
 runs three matmuls fewer. The residual stream stays in float32 whatever the weight
 dtype: SmolLM2's activations reach ~25,000 and its first answer token is a near-tie that
-pure bf16 flips ("The" 25.33 vs "L" 25.24 for the README's question). Every hot op goes through ``self.backend``.
+pure bf16 flips ("The" 25.33 vs "L" 25.24 for the README's question). Every hot op goes
+through ``self.backend`` or a LinearWeight the backend packed.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
+from tokenloom.core.interfaces import Quantizer
 from tokenloom.core.models.config import ModelConfig
+from tokenloom.core.weights import (
+    CheckpointTensors,
+    LinearSlot,
+    LinearWeight,
+    dense_tensor,
+    spec_to,
+)
 
 
 def rope_cache(cfg: ModelConfig, max_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,19 +45,17 @@ class LlamaLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
-        d, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
+        d = cfg.hidden_size
         self.input_norm = nn.Parameter(torch.ones(d), requires_grad=False)
         self.post_norm = nn.Parameter(torch.ones(d), requires_grad=False)
-        self.qkv = nn.Parameter(torch.empty(qkv, d, dtype=dtype), requires_grad=False)
-        self.o = nn.Parameter(torch.empty(d, cfg.q_size, dtype=dtype), requires_grad=False)
-        self.gate_up = nn.Parameter(torch.empty(2 * cfg.intermediate_size, d, dtype=dtype), requires_grad=False)
-        self.down = nn.Parameter(torch.empty(d, cfg.intermediate_size, dtype=dtype), requires_grad=False)
+        # The matmuls are LinearWeight objects the backend packs at load time (see load_weights).
+        self.qkv = self.o = self.gate_up = self.down = None
 
     def forward(self, h, cos, sin, k_cache, v_cache, meta, backend):
         cfg, dtype = self.cfg, self.dtype
         T = h.shape[0]
         x = backend.rms_norm(h, self.input_norm, cfg.rms_norm_eps).to(dtype)
-        qkv = backend.linear(x, self.qkv).float()
+        qkv = self.qkv.apply(x).float()
         # q and k rotate together: one RoPE over [T, heads + kv_heads, head_dim]
         qk = apply_rope(qkv[:, :cfg.q_size + cfg.kv_size].view(T, -1, cfg.head_dim), cos, sin)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
@@ -54,10 +63,10 @@ class LlamaLayer(nn.Module):
         k, v, q = k.to(k_cache.dtype), v.to(v_cache.dtype), q.to(k_cache.dtype)
         backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         attn = backend.attention(q, k, v, k_cache, v_cache, meta, cfg.head_dim**-0.5)
-        h = h + backend.linear(attn.reshape(T, cfg.q_size).to(dtype), self.o).float()
+        h = h + self.o.apply(attn.reshape(T, cfg.q_size).to(dtype)).float()
         x = backend.rms_norm(h, self.post_norm, cfg.rms_norm_eps).to(dtype)
-        gate, up = backend.linear(x, self.gate_up).chunk(2, dim=-1)
-        return h + backend.linear(backend.silu_mul(gate, up), self.down).float()
+        gate, up = self.gate_up.apply(x).chunk(2, dim=-1)
+        return h + self.down.apply(backend.silu_mul(gate, up)).float()
 
 
 class LlamaModel(nn.Module):
@@ -67,9 +76,7 @@ class LlamaModel(nn.Module):
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.layers = nn.ModuleList(LlamaLayer(cfg, dtype) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size), requires_grad=False)
-        self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False
-        )
+        self.lm_head = None  # a LinearWeight, packed at load time (tied or not)
         cos, sin = rope_cache(cfg, max_len, "cpu")
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -86,67 +93,59 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         x = self.backend.rms_norm(h, self.norm, self.cfg.rms_norm_eps).to(self.dtype)
-        return self.backend.linear(x, self.lm_head).float()
+        return self.lm_head.apply(x).float()
 
     @torch.inference_mode()
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up. Missing or extra names fail."""
+    def load_weights(self, weights: dict[str, Any], quantizer: Quantizer) -> None:
+        """Take every checkpoint tensor: norms and the embedding are copied in (dequantised
+        if need be); each matmul slot goes through ``quantizer`` (which fuses q/k/v and
+        gate/up) and is packed by the backend. A missing, misshapen or unused tensor fails
+        with a sentence naming it. The model must already be on its device."""
         cfg = self.cfg
-        remaining = dict(weights)
-
-        def take(name: str) -> torch.Tensor:
-            try:
-                return remaining.pop(name)
-            except KeyError:
-                raise ValueError(f"checkpoint is missing tensor {name!r}") from None
-
-        self.embed.copy_(take("model.embed_tokens.weight"))
-        self.norm.copy_(take("model.norm.weight"))
-        if "lm_head.weight" in remaining and not cfg.tie_word_embeddings:
-            self.lm_head.copy_(take("lm_head.weight"))
-        elif cfg.tie_word_embeddings:
-            remaining.pop("lm_head.weight", None)
+        tensors = CheckpointTensors(weights)
+        embed_raw = tensors.take("model.embed_tokens.weight")
+        self.embed.copy_(_checked(dense_tensor(embed_raw), self.embed.shape, "model.embed_tokens.weight"))
+        self.norm.copy_(_checked(dense_tensor(tensors.take("model.norm.weight")), self.norm.shape, "model.norm.weight"))
+        head_slot = LinearSlot("lm_head", ("model.embed_tokens" if cfg.tie_word_embeddings else "lm_head",),
+                               (cfg.vocab_size,), cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            tensors.discard("lm_head.weight")
+            self.lm_head = self._pack(quantizer, head_slot, CheckpointTensors({"model.embed_tokens.weight": embed_raw}))
         else:
-            raise ValueError("checkpoint has no lm_head.weight and does not tie embeddings")
+            self.lm_head = self._pack(quantizer, head_slot, tensors)
+        q, kv, d, ffn = cfg.q_size, cfg.kv_size, cfg.hidden_size, cfg.intermediate_size
+        slots = (("qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), (q, kv, kv), d),
+                 ("o", ("self_attn.o_proj",), (d,), q),
+                 ("gate_up", ("mlp.gate_proj", "mlp.up_proj"), (ffn, ffn), d),
+                 ("down", ("mlp.down_proj",), (d,), ffn))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            layer.input_norm.copy_(take(p + "input_layernorm.weight"))
-            layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
-            q, k, v = (take(p + f"self_attn.{n}_proj.weight") for n in "qkv")
-            layer.qkv.copy_(torch.cat([q, k, v], dim=0))
-            layer.o.copy_(take(p + "self_attn.o_proj.weight"))
-            gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
-            layer.gate_up.copy_(torch.cat([gate, up], dim=0))
-            layer.down.copy_(take(p + "mlp.down_proj.weight"))
-        leftovers = [n for n in remaining if "rotary_emb" not in n]
+            for norm, name in ((layer.input_norm, "input_layernorm"), (layer.post_norm, "post_attention_layernorm")):
+                norm.copy_(_checked(dense_tensor(tensors.take(p + name + ".weight")), norm.shape, p + name + ".weight"))
+            for name, parts, rows, cols in slots:
+                slot = LinearSlot(p + name, tuple(p + part for part in parts), rows, cols)
+                setattr(layer, name, self._pack(quantizer, slot, tensors))
+        leftovers = [n for n in tensors.names() if "rotary_emb" not in n]
         if leftovers:
             raise ValueError(f"checkpoint has tensors this model does not use: {leftovers[:5]}")
-        self._pack_linears()
 
-    def _pack_linears(self) -> None:
-        """Let the backend lay out each matmul weight its way (once, at load time).
-        A packed weight may not be a tensor, so it lives as a plain attribute."""
-        pack = self.backend.pack_linear
-        for layer in self.layers:
-            for name in ("qkv", "o", "gate_up", "down"):
-                packed = pack(getattr(layer, name).data)
-                delattr(layer, name)
-                setattr(layer, name, packed)
-        # A tied head packed into another layout becomes a second copy; the embedding keeps rows.
-        packed_head = pack(self.lm_head.data)
-        del self.lm_head
-        self.lm_head = packed_head
+    def _pack(self, quantizer: Quantizer, slot: LinearSlot, tensors: CheckpointTensors) -> LinearWeight:
+        spec = quantizer.weight_spec(slot, tensors)
+        if tuple(spec.shape) != slot.shape:
+            raise ValueError(f"quantizer gave {slot.name} a {tuple(spec.shape)} weight, the model needs {slot.shape}")
+        return self.backend.pack_linear(spec_to(spec, self.embed.device), self.dtype)
 
     def weight_bytes_per_token(self) -> int:
         """Bytes a batch-1 decode step must read: each matmul weight and norm once (one
         layout), plus the output head; the embedding lookup reads a single row."""
-        def size(w) -> int:
-            if isinstance(w, torch.Tensor):
-                return w.numel() * w.element_size()
-            return w.nbytes()
-
-        total = size(self.lm_head) + self.norm.numel() * 4
+        total = self.lm_head.nbytes() + self.norm.numel() * 4
         for layer in self.layers:
-            total += sum(size(getattr(layer, n)) for n in ("qkv", "o", "gate_up", "down"))
+            total += sum(getattr(layer, n).nbytes() for n in ("qkv", "o", "gate_up", "down"))
             total += (layer.input_norm.numel() + layer.post_norm.numel()) * 4
         return total
+
+
+def _checked(t: torch.Tensor, shape, name: str) -> torch.Tensor:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, the model needs {tuple(shape)}")
+    return t

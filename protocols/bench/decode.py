@@ -25,7 +25,36 @@ def read_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     return num_bytes / best / 1e9
 
 
+def _variants(args) -> list[dict]:
+    """Each (quantizer, dtype) pair asked for, as a config layer ({} = the configured one)."""
+    quantizers = args.quantizers.split(",") if args.quantizers else [None]
+    dtypes = args.dtypes.split(",") if args.dtypes else [None]
+    out = []
+    for dtype in dtypes:
+        for q in quantizers:
+            layer = {}
+            if q is not None:
+                layer["quantizer"] = q
+            if dtype is not None:
+                layer["dtype"] = dtype
+            out.append(layer)
+    return out
+
+
 def run_decode(args, flags: dict, pm: PluginManager) -> dict:
+    """Decode tok/s per batch size for every variant, then the read bandwidth once."""
+    variants = [_run_variant(args, merge_layers(flags, v), pm) for v in _variants(args)]
+    bw = read_bandwidth_gbs()
+    for v in variants:
+        v["floor_ms_per_token"] = v["weight_bytes"] / (bw * 1e9) * 1e3
+        for r in v["results"]:
+            if r["batch_size"] == 1 and r["ms_per_step"]:
+                r["floor_ms"] = v["floor_ms_per_token"]
+                r["fraction_of_floor"] = v["floor_ms_per_token"] / r["ms_per_step"]
+    return {"read_bandwidth_gbs": bw, "threads": torch.get_num_threads(), "variants": variants}
+
+
+def _run_variant(args, flags: dict, pm: PluginManager) -> dict:
     from tokenloom import LLM
 
     recorder = StepRecorder()
@@ -35,6 +64,10 @@ def run_decode(args, flags: dict, pm: PluginManager) -> dict:
     llm = LLM(config_file=args.config, flags=merge_layers(flags, layer), plugin_manager=pm)
     try:
         run_workload(llm, [BenchRequest([100 + i for i in range(16)], 8)], recorder)  # warm-up
+        model = llm.engine.runner.model
+        dtype = str(llm.engine.runner.dtype).replace("torch.", "")
+        name = f"{llm.engine.config.quantizer.name if llm.engine.config.quantizer else 'checkpoint'} / {dtype}"
+        print(f"{name}: {model.layers[0].qkv.kernel}", flush=True)
         results = []
         for b in sizes:
             work = make_workload(b, (args.prompt_len, args.prompt_len), (args.gen, args.gen), seed=b,
@@ -44,29 +77,26 @@ def run_decode(args, flags: dict, pm: PluginManager) -> dict:
                             "ms_per_step": 1e3 * b / res["decode_tok_s"] if res["decode_tok_s"] else None,
                             "output_tok_s": res["output_tok_s"]})
             print(f"  batch {b}: {res['decode_tok_s']:.1f} tok/s decode", flush=True)
-        wbytes = llm.engine.runner.model.weight_bytes_per_token()
-        dtype = str(llm.engine.runner.dtype).replace("torch.", "")
+        return {"name": name, "dtype": dtype, "kernel": model.layers[0].qkv.kernel,
+                "weight_bytes": model.weight_bytes_per_token(), "results": results}
     finally:
         llm.close()
         pm.pm.unregister(recorder)
-    bw = read_bandwidth_gbs()
-    floor_ms = wbytes / (bw * 1e9) * 1e3
-    for r in results:
-        if r["batch_size"] == 1 and r["ms_per_step"]:
-            r["floor_ms"] = floor_ms
-            r["fraction_of_floor"] = floor_ms / r["ms_per_step"]
-    return {"dtype": dtype, "weight_bytes": wbytes, "read_bandwidth_gbs": bw, "floor_ms_per_token": floor_ms,
-            "threads": torch.get_num_threads(), "results": results}
 
 
 def format_decode(report: dict) -> str:
-    lines = [f"dtype {report['dtype']}, weights {report['weight_bytes'] / 1e6:.0f} MB, "
-             f"read bandwidth {report['read_bandwidth_gbs']:.1f} GB/s -> floor "
-             f"{report['floor_ms_per_token']:.2f} ms/token ({1e3 / report['floor_ms_per_token']:.0f} tok/s) at batch 1, "
-             f"{report['threads']} threads"]
-    for r in report["results"]:
-        line = f"batch {r['batch_size']:>3}: {r['decode_tok_s']:8.1f} tok/s decode ({r['ms_per_step']:.1f} ms/step)"
-        if "fraction_of_floor" in r:
-            line += f" = {100 * r['fraction_of_floor']:.0f}% of the bandwidth floor"
-        lines.append(line)
+    sizes = [r["batch_size"] for r in report["variants"][0]["results"]]
+    lines = [f"read bandwidth {report['read_bandwidth_gbs']:.1f} GB/s, {report['threads']} threads; the floor is "
+             "weight bytes / bandwidth (every weight read once per token at batch 1)", "",
+             "| quantizer / dtype | layer kernel | weights MB | floor ms (tok/s) | "
+             + " | ".join(f"batch {b} tok/s" for b in sizes) + " | batch-1 share of floor | batch 1 vs first row |",
+             "| --- | --- | --- | --- | " + " | ".join("---" for _ in sizes) + " | --- | --- |"]
+    base = report["variants"][0]["results"][0]["decode_tok_s"]
+    for v in report["variants"]:
+        first = v["results"][0]
+        share = f"{100 * first['fraction_of_floor']:.0f}%" if "fraction_of_floor" in first else "-"
+        lines.append(f"| {v['name']} | {v['kernel']} | {v['weight_bytes'] / 1e6:.0f} | "
+                     f"{v['floor_ms_per_token']:.2f} ({1e3 / v['floor_ms_per_token']:.0f}) | "
+                     + " | ".join(f"{r['decode_tok_s']:.1f}" for r in v["results"])
+                     + f" | {share} | {first['decode_tok_s'] / base:.2f}x |")
     return "\n".join(lines)

@@ -1,0 +1,146 @@
+"""The torch backend's matmul weights: each a LinearWeight (``apply``, ``nbytes``, ``kernel``).
+
+Which kernel runs depends on the spec, the device and the batch:
+
+- dense fp32 on CPU: MKL GEMV on a [in, out] copy for <= 4 rows, oneDNN-packed GEMM above
+  (``cpu_linear = "dual"`` keeps both, 2x memory);
+- dense bf16/fp16, or any dense weight on CUDA: ``F.linear``;
+- 4-bit group-quantised (GGUF Q4_0/Q4_1, RTN, GPTQ, AWQ) on CPU:
+  ``torch._weight_int4pack_mm_for_cpu`` with bf16 activations (it has no fast fp32 path);
+  above ``int4_max_rows`` rows a dense bf16 copy is used instead, where oneDNN wins;
+- 8-bit per-channel symmetric on CPU: ``torch._weight_int8pack_mm`` (bf16 activations);
+- anything else (GGUF Q8_0's 32-groups, fp8, quantised specs on CUDA): dequantised once
+  at load to the engine dtype — the kernel name says so.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenloom.core.weights import Fp8Weight, QuantizedWeight, WeightSpec, dequantize
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+
+class DenseLinear:
+    __slots__ = ("weight", "out_features", "in_features", "kernel")
+
+    def __init__(self, weight: torch.Tensor, kernel: str = "F.linear"):
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+        self.kernel = f"{kernel} ({str(weight.dtype).removeprefix('torch.')})"
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+class PackedLinear:
+    """A CPU fp32 weight in the layout(s) the chosen GEMM wants."""
+
+    __slots__ = ("out_features", "in_features", "wt", "onednn", "kernel")
+
+    def __init__(self, weight: torch.Tensor, mode: str):
+        self.out_features, self.in_features = weight.shape
+        self.wt = weight.t().contiguous() if mode in ("dual", "mkl") else None
+        self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None) if mode in ("dual", "onednn") else None
+        self.kernel = {"dual": "mkl-gemv+onednn (float32)", "mkl": "mkl (float32)", "onednn": "onednn (float32)"}[mode]
+
+    def nbytes(self) -> int:
+        """Bytes one matmul reads (one layout; fp32)."""
+        return self.out_features * self.in_features * 4
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.onednn is None or (self.wt is not None and x2.shape[0] <= 4):
+            out = torch.mm(x2, self.wt)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(x2, self.onednn, None, "none", [], "")
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear:
+    """4-bit codes packed for torch's CPU int4 kernel: w = (q - 8) * scale + zero' per group,
+    where zero' = (8 - zero) * scale turns our zero points into the kernel's form."""
+
+    __slots__ = ("packed", "scales_zeros", "group_size", "out_features", "in_features", "dense", "max_rows",
+                 "kernel", "_nbytes")
+
+    def __init__(self, qw: QuantizedWeight, max_rows: int, dense_dtype: torch.dtype):
+        self.out_features, self.in_features = qw.shape
+        self.group_size = qw.group_size
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(qw.codes.to(torch.int32).contiguous(), 1)
+        zero = (8.0 - qw.zeros) * qw.scales  # [out, groups]
+        self.scales_zeros = torch.stack([qw.scales, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self.max_rows = max_rows
+        self.dense = qw.dequantize(dense_dtype) if max_rows > 0 else None
+        self._nbytes = qw.nbytes()
+        self.kernel = "int4pack_mm (bf16 act)" + (f" / dense above {max_rows} rows" if max_rows > 0 else "")
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.dense is not None and x2.shape[0] > self.max_rows:
+            out = F.linear(x2.to(self.dense.dtype), self.dense)
+        else:
+            out = torch._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed, self.group_size,
+                                                    self.scales_zeros)
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def nbytes(self) -> int:
+        return self._nbytes
+
+
+class Int8Linear:
+    """Symmetric 8-bit per output channel for torch's CPU int8 weight-only kernel."""
+
+    __slots__ = ("weight", "scales", "out_features", "in_features", "kernel")
+
+    def __init__(self, qw: QuantizedWeight):
+        self.out_features, self.in_features = qw.shape
+        self.weight = (qw.codes.to(torch.int16) - 128).to(torch.int8).contiguous()
+        self.scales = qw.scales[:, 0].to(torch.bfloat16).contiguous()
+        self.kernel = "int8pack_mm (bf16 act)"
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        out = torch._weight_int8pack_mm(x2, self.weight, self.scales)
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def nbytes(self) -> int:
+        return self.weight.numel() + self.scales.numel() * 2
+
+
+def is_int8_per_channel(qw: QuantizedWeight) -> bool:
+    return qw.bits == 8 and qw.group_size == qw.shape[1] and bool((qw.zeros == 128).all())
+
+
+def pack(spec: WeightSpec, dtype: torch.dtype, *, cpu_linear: str, int4_max_rows: int):
+    """The torch backend's choice of LinearWeight for ``spec`` (see the module docstring)."""
+    cpu = (spec.device if isinstance(spec, torch.Tensor) else _device(spec)).type == "cpu"
+    if isinstance(spec, QuantizedWeight) and cpu and spec.g_idx is None:
+        out, inp = spec.shape
+        if spec.bits == 4 and spec.group_size in INT4_GROUP_SIZES and inp % spec.group_size == 0 and out % 16 == 0:
+            return Int4Linear(spec, int4_max_rows, dtype)
+        if is_int8_per_channel(spec):
+            return Int8Linear(spec)
+    dense = dequantize(spec, dtype)
+    label = "F.linear" if isinstance(spec, torch.Tensor) else f"dequantised {_kind(spec)} -> F.linear"
+    if dense.dtype == torch.float32 and cpu:
+        packed = PackedLinear(dense, cpu_linear)
+        if not isinstance(spec, torch.Tensor):
+            packed.kernel = f"dequantised {_kind(spec)} -> {packed.kernel}"
+        return packed
+    return DenseLinear(dense, label)
+
+
+def _device(spec) -> torch.device:
+    return spec.codes.device if isinstance(spec, QuantizedWeight) else spec.data.device
+
+
+def _kind(spec) -> str:
+    if isinstance(spec, Fp8Weight):
+        return "fp8"
+    return f"int{spec.bits} g{spec.group_size}"

@@ -1,0 +1,1 @@
+"""Weight quantizers: primitives, offline algorithms, runtime weight objects."""

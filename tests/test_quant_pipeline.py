@@ -1,0 +1,92 @@
+"""The load pipeline with quantised weights: raw GGUF blocks -> quantizer -> backend kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from test_gguf import write_gguf
+
+from tokenloom import LLM
+from tokenloom.core.errors import ConfigError
+
+IDS = [5, 77, 3, 200, 14, 9, 9, 120, 33, 1, 250]
+
+
+def _logits(path, **kw):
+    with LLM(model=str(path), dtype="float32", num_kv_blocks=16, **kw) as llm:
+        layer = llm.engine.runner.model.layers[0]
+        kernels = {n: getattr(layer, n).kernel for n in ("qkv", "o", "gate_up", "down")}
+        layer_bytes = sum(getattr(layer, n).nbytes() for n in ("qkv", "o", "gate_up", "down"))
+        return llm.engine.runner.prefill_logits(IDS, [0]), kernels, layer_bytes
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_native_gguf_4bit_matches_the_dequantised_model(tmp_path, tiny_hf_model, qtype):
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_hf_model, qtype)
+    native, kernels, native_bytes = _logits(path)  # a quantised GGUF gets the `gguf` quantizer by default
+    dense, dense_kernels, dense_bytes = _logits(path, quantizer="none")
+    assert all(k.startswith("int4pack_mm") for k in kernels.values()), kernels
+    assert all("float32" in k for k in dense_kernels.values()), dense_kernels
+    assert native_bytes * 5 < dense_bytes  # 4 bits + a float32 scale and zero per 32 vs 32 bits
+    # the int4 kernel takes bf16 activations and bf16 scales: close, not bit-equal
+    rel = (native - dense).abs().max() / dense.abs().max()
+    assert rel < 0.02, f"max logit difference {rel:.3%} of the largest logit"
+    assert (native.argmax(-1) == dense.argmax(-1)).float().mean() >= 0.9
+
+
+def test_batches_above_int4_max_rows_use_the_dense_copy(tmp_path, tiny_hf_model):
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_hf_model, Q.Q4_1)
+    with LLM(model=str(path), dtype="float32", num_kv_blocks=16) as llm:
+        w = llm.engine.runner.model.layers[0].gate_up
+        x = torch.randn(3, w.in_features)
+        big = torch.randn(40, w.in_features)
+        ref = big @ w.dense.float().t()
+        assert torch.allclose(w.apply(big), ref, rtol=1e-2, atol=1e-2)  # dense path above max_rows
+        assert w.apply(x).shape == (3, w.out_features)
+
+
+def test_unknown_quantizer_names_the_known_ones(tmp_path, tiny_hf_model):
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_hf_model, Q.Q4_1)
+    with pytest.raises(ConfigError, match="unknown quantizer 'int3'; known: .*gguf.*none"):
+        LLM(model=str(path), quantizer="int3")
+
+
+def test_missing_and_misshapen_tensors_are_named(tiny_model_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    for mutate, message in ((lambda sd: sd.pop("model.layers.1.mlp.up_proj.weight"),
+                             "missing tensor 'model.layers.1.mlp.up_proj.weight'"),
+                            (lambda sd: sd.__setitem__("model.layers.0.self_attn.k_proj.weight", torch.zeros(3, 64)),
+                             r"tensor model.layers.0.self_attn.k_proj.weight has shape \(3, 64\), the model needs \(32, 64\)")):
+        broken = tmp_path / f"broken{len(message)}"
+        shutil.copytree(tiny_model_dir, broken)
+        sd = load_file(broken / "model.safetensors")
+        mutate(sd)
+        save_file(sd, broken / "model.safetensors")
+        with pytest.raises(ValueError, match=message):
+            LLM(model=str(broken), dtype="float32", num_kv_blocks=8)
+
+
+@pytest.mark.parametrize("method, kernel, tolerance", [("int8", "int8pack_mm", 0.02), ("rtn", "int4pack_mm", 0.3),
+                                                       ("fp8", "dequantised fp8", 0.06)])
+def test_quantizing_at_load_stays_close_to_the_dense_model(tiny_model_dir, method, kernel, tolerance):
+    dense, _, dense_bytes = _logits(tiny_model_dir)
+    quant, kernels, quant_bytes = _logits(tiny_model_dir, quantizer=method)
+    assert all(k.startswith(kernel) for k in kernels.values()), kernels
+    rel = ((quant - dense).abs().max() / dense.abs().max()).item()
+    assert 0 < rel < tolerance, f"{method}: max logit difference {rel:.3%} of the largest logit"
+    if method != "fp8":  # fp8 is dequantised at load on CPU (no fp8 matmul there)
+        assert quant_bytes < dense_bytes / (3.5 if method == "int8" else 5)
+
+
+def test_rtn_group_size_fits_the_input_width():
+    from tokenloom.plugins.quantizers.online import fit_group
+
+    assert fit_group(128, 576) == 64 and fit_group(128, 1536) == 128 and fit_group(-1, 576) == 576
+    assert fit_group(128, 100) == 100  # no power-of-two group of >= 32 divides 100: one group per row
