@@ -5,6 +5,15 @@ gathered into one padded [kv_heads * batch, max_context] view and done in two ba
 matmuls; each prefill (chunk) is one scaled_dot_product_attention call, straight on the
 new K/V when nothing is cached, otherwise over the gathered context with a causal mask
 offset by the cached length.
+
+Quantised KV (engine option ``kv_cache_dtype`` = ``fp8`` or ``int8``): each layer's K and V
+pool is a :class:`QuantizedKV`: the data in the same layout, stored as float8_e4m3fn or int8,
+plus one bfloat16 scale per token per head, ``scale = amax(|x|) / qmax`` over head_dim
+(qmax 448 for e4m3, 127 for symmetric int8), computed when ``write_kv`` stores the token.
+A per-token scale needs no calibration, is never re-quantised as a block fills, and copies
+with its slot. Every read dequantises (``data * scale`` in the compute dtype), including
+a prefill with nothing cached, which reads its own just-written slots back, so a prompt
+sees the same K/V whether it is computed at once, in chunks or from cached blocks.
 """
 
 from __future__ import annotations
@@ -39,6 +48,74 @@ class TorchAttnMeta:
     prefills: list  # (q_start, q_end, blocks [n] or None, context_len, mask [q, ctx] or None)
 
 
+KV_STORAGE = {"fp8": (torch.float8_e4m3fn, 448.0), "int8": (torch.int8, 127.0)}  # dtype, qmax
+# 2 bytes per token per head (ModelRunner.num_blocks_for counts them). bfloat16, not float16: its
+# range needs no clamping (a float16 scale floors at 6e-5, coarsening rows under ~0.01), and its
+# coarser rounding costs nothing, as values are divided by the stored scale itself.
+KV_SCALE_DTYPE = torch.bfloat16
+_SCALE_MIN = torch.finfo(KV_SCALE_DTYPE).tiny  # an all-zero row: a finite scale, zeros back
+
+
+@dataclass(slots=True, eq=False)
+class QuantizedKV:
+    """One layer's K (or V) pool in 8 bits: ``data`` [kv_heads, num_blocks, block_size, head_dim]
+    (float8_e4m3fn or int8) and ``scale`` [kv_heads, num_blocks, block_size] (bfloat16); a
+    slot's value is ``data.float() * scale``. ``dtype`` is the dtype K/V are handed over in
+    and attention computes in (the model dtype), which is what the model casts q/k/v to; the
+    storage dtype is ``data.dtype``. ``shape`` is the data's."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+    qmax: float
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    def _raw(self) -> torch.Tensor:
+        # index_copy_ has no float8 kernel on CPU: move fp8 bytes through a uint8 view
+        return self.data.view(torch.uint8) if self.data.dtype == torch.float8_e4m3fn else self.data
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., head_dim] -> (data in the storage dtype, scale [...])."""
+        xf = x.float()
+        scale = (xf.abs().amax(-1) / self.qmax).clamp_(min=_SCALE_MIN).to(KV_SCALE_DTYPE)
+        q = xf / scale.float().unsqueeze(-1)  # by the stored (rounded) scale, the one a read multiplies by
+        if self.data.dtype == torch.int8:
+            q = q.round_()
+        return q.clamp_(-self.qmax, self.qmax).to(self.data.dtype), scale
+
+    def write(self, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """x: [T, kv_heads, head_dim] into flat slots ``slot_mapping`` [T]."""
+        kv_heads, _, _, head_dim = self.data.shape
+        q, scale = self.quantize(x.transpose(0, 1))  # [kv_heads, T, head_dim], [kv_heads, T]
+        raw = self._raw()
+        raw.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, q.view(raw.dtype))
+        self.scale.view(kv_heads, -1).index_copy_(1, slot_mapping, scale)
+
+    def gather_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Dequantised [kv_heads, len(blocks), block_size, head_dim] in ``dtype``."""
+        return self._dequant(self.data.index_select(1, blocks), self.scale.index_select(1, blocks))
+
+    def gather_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """Dequantised [kv_heads, len(slots), head_dim] in ``dtype``."""
+        kv_heads, _, _, head_dim = self.data.shape
+        return self._dequant(self.data.view(kv_heads, -1, head_dim).index_select(1, slots),
+                             self.scale.view(kv_heads, -1).index_select(1, slots))
+
+    def _dequant(self, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return data.to(self.dtype) * scale.to(self.dtype).unsqueeze(-1)
+
+    def copy_block(self, src: int, dst: int, n: int) -> None:
+        self.data[:, dst, :n] = self.data[:, src, :n]
+        self.scale[:, dst, :n] = self.scale[:, src, :n]
+
+
 class TorchBackend:
     """KV layout per layer: ``[kv_heads, num_blocks, block_size, head_dim]``. Head-major
     means gathering a batch's blocks along dim 1 yields ``[kv_heads * B, len, head_dim]``
@@ -58,12 +135,26 @@ class TorchBackend:
             self.cpu_linear = "mkl"
 
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                          head_dim: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                          head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> list[tuple]:
+        """Per layer a (k, v) pair: plain tensors of ``dtype`` for ``kv_cache_dtype="auto"``,
+        else two :class:`QuantizedKV` (8-bit data plus per-token-per-head scales)."""
         # Zeroed, not empty: padded decode rows read (and mask) unwritten slots, and
         # 0 * NaN from uninitialised memory would poison the probability-weighted sum.
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
-        return [(torch.zeros(shape, dtype=dtype, device=self.device),
-                 torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(num_layers)]
+        if kv_cache_dtype == "auto":
+            return [(torch.zeros(shape, dtype=dtype, device=self.device),
+                     torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(num_layers)]
+        if kv_cache_dtype not in KV_STORAGE:
+            from tokenloom.core.errors import ConfigError
+
+            raise ConfigError(f"kv_cache_dtype must be auto, fp8 or int8, got {kv_cache_dtype!r}")
+        storage, qmax = KV_STORAGE[kv_cache_dtype]
+
+        def pool() -> QuantizedKV:
+            return QuantizedKV(torch.zeros(shape, dtype=storage, device=self.device),
+                               torch.zeros(shape[:3], dtype=KV_SCALE_DTYPE, device=self.device), dtype, qmax)
+
+        return [(pool(), pool()) for _ in range(num_layers)]
 
     # ---- per-step metadata ------------------------------------------------------
     def prepare(self, inp: AttentionInputs) -> TorchAttnMeta:
@@ -96,12 +187,20 @@ class TorchBackend:
         """Copy the first ``n`` token slots of block ``src`` into block ``dst``, every layer."""
         for k_cache, v_cache in kv_caches:
             for src, dst, n in copies:
+                if isinstance(k_cache, QuantizedKV):  # the scales travel with their slots
+                    k_cache.copy_block(src, dst, n)
+                    v_cache.copy_block(src, dst, n)
+                    continue
                 k_cache[:, dst, :n] = k_cache[:, src, :n]
                 v_cache[:, dst, :n] = v_cache[:, src, :n]
 
     # ---- ops --------------------------------------------------------------------
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
         # k_cache: [kv_heads, num_blocks, block_size, head_dim]; k: [T, kv_heads, head_dim]
+        if isinstance(k_cache, QuantizedKV):
+            k_cache.write(k, slot_mapping)
+            v_cache.write(v, slot_mapping)
+            return
         kv_heads, _, _, head_dim = k_cache.shape
         k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
         v_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
@@ -110,16 +209,22 @@ class TorchBackend:
         """q: [T, H, D]; k, v: [T, KVH, D] (this step's); returns [T, H, D]."""
         out = torch.empty_like(q)
         kv_heads, _, block_size, head_dim = k_cache.shape
+        quantized = isinstance(k_cache, QuantizedKV)
         if meta.decode_rows is not None:
             out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta, scale)
         for q_start, q_end, blocks, context_len, mask in meta.prefills:
             qs = q[q_start:q_end].transpose(0, 1)  # [H, q, D]
             if blocks is None:
-                ks, vs = k[q_start:q_end].transpose(0, 1), v[q_start:q_end].transpose(0, 1)
+                if quantized:  # what was stored, not the exact k/v: the same values a later read sees
+                    slots = meta.slot_mapping[q_start:q_end]
+                    ks, vs = k_cache.gather_slots(slots), v_cache.gather_slots(slots)
+                else:
+                    ks, vs = k[q_start:q_end].transpose(0, 1), v[q_start:q_end].transpose(0, 1)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                ks = k_cache.index_select(1, blocks).view(kv_heads, -1, head_dim)[:, :context_len]
-                vs = v_cache.index_select(1, blocks).view(kv_heads, -1, head_dim)[:, :context_len]
+                ks, vs = _gather(k_cache, blocks), _gather(v_cache, blocks)
+                ks = ks.view(kv_heads, -1, head_dim)[:, :context_len]
+                vs = vs.view(kv_heads, -1, head_dim)[:, :context_len]
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
             out[q_start:q_end] = o.transpose(0, 1)
         return out
@@ -130,8 +235,8 @@ class TorchBackend:
         B, H, D = q.shape
         kv_heads = k_cache.shape[0]
         group = H // kv_heads
-        keys = k_cache.index_select(1, meta.decode_blocks).view(kv_heads * B, -1, D)
-        values = v_cache.index_select(1, meta.decode_blocks).view(kv_heads * B, -1, D)
+        keys = _gather(k_cache, meta.decode_blocks).view(kv_heads * B, -1, D)
+        values = _gather(v_cache, meta.decode_blocks).view(kv_heads * B, -1, D)
         qg = q.view(B, kv_heads, group, D).transpose(0, 1).reshape(kv_heads * B, group, D)
         scores = torch.bmm(qg, keys.transpose(1, 2)).float() * scale
         scores = scores.view(kv_heads, B, group, -1) + meta.decode_bias
@@ -149,6 +254,11 @@ class TorchBackend:
 
     def silu_mul(self, gate, up):
         return F.silu(gate) * up
+
+
+def _gather(cache, blocks: torch.Tensor) -> torch.Tensor:
+    """[kv_heads, len(blocks), block_size, head_dim] of ``blocks``, dequantised if need be."""
+    return cache.gather_blocks(blocks) if isinstance(cache, QuantizedKV) else cache.index_select(1, blocks)
 
 
 @hookimpl

@@ -57,8 +57,9 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager, progress=None) -
     runner = ModelRunner(ckpt, backend=backend, quantizer=quantizer, dtype=dtype, device=device,
                          block_size=e.block_size, max_model_len=max_model_len, seed=e.seed)
     # Last, the KV pool: sized from what is left once the weights are in place.
-    num_blocks = e.num_kv_blocks or ModelRunner.num_blocks_for(mcfg, dtype, e.block_size, e.kv_cache_memory_mb)
-    runner.allocate_kv_cache(num_blocks)
+    num_blocks = e.num_kv_blocks or ModelRunner.num_blocks_for(mcfg, dtype, e.block_size, e.kv_cache_memory_mb,
+                                                               e.kv_cache_dtype)
+    runner.allocate_kv_cache(num_blocks, e.kv_cache_dtype)
     cache = pm.get("cache_manager", config.cache_manager.name).factory(
         config.cache_manager.options, num_blocks, e.block_size)
     scheduler = pm.get("scheduler", config.scheduler.name).factory(config.scheduler.options, cache, config)

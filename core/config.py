@@ -27,6 +27,7 @@ from tokenloom.core.errors import ConfigError
 from tokenloom.core.plugins import ROLE_LABELS, ROLES, PluginManager
 
 DEFAULT_MODEL = "smollm2-135m"
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 SELECTABLE_ROLES = ("scheduler", "cache_manager", "decoder", "backend", "quantizer")
 DEFAULT_STRATEGIES = {
     "scheduler": "continuous",
@@ -47,6 +48,9 @@ class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     block_size: int = 16  # tokens per KV block, shared by every cache manager
     kv_cache_memory_mb: int = 1024  # KV pool budget; ignored when num_kv_blocks > 0
     num_kv_blocks: int = 0
+    # KV pool storage: auto (the model dtype) | fp8 (float8_e4m3fn) | int8; the 8-bit ones keep a
+    # bfloat16 scale per token per head beside the data and hold ~2x the tokens of bf16 in the same memory
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
     max_restarts: int = 5  # failed steps in a row before the engine gives up (core/health.py)
@@ -167,6 +171,8 @@ def _convert_options(role: str, name: str, options_type: type | None, table: dic
 def _check_engine(e: EngineOptions) -> None:
     if e.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {e.dtype!r}")
+    if e.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype must be auto, fp8 or int8, got {e.kv_cache_dtype!r}")
     if e.block_size < 1 or e.block_size & (e.block_size - 1):
         raise ConfigError(f"block_size must be a power of two, got {e.block_size}")
     for key in ("max_model_len", "kv_cache_memory_mb", "num_kv_blocks", "seed", "num_threads", "max_restarts",

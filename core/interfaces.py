@@ -164,8 +164,10 @@ class Backend(Protocol):
     name: str
 
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                          head_dim: int, dtype) -> list:
-        """One (k, v) pair of tensors per layer; their layout is the backend's business."""
+                          head_dim: int, dtype, kv_cache_dtype: str = "auto") -> list:
+        """One (k, v) pair per layer; their layout is the backend's business. ``kv_cache_dtype``
+        "auto" stores ``dtype``; "fp8" / "int8" store 8 bits with scales, and ``write_kv`` /
+        ``attention`` quantise and dequantise (the model always hands them ``dtype``)."""
 
     def prepare(self, meta: Any) -> Any:
         """Build per-step attention metadata once, before the layers run."""

@@ -38,6 +38,7 @@ BUILTIN_PLUGINS = (
     "tokenloom.plugins.decoders.standard",
     "tokenloom.plugins.quantizers.native",
     "tokenloom.plugins.quantizers.online",
+    "tokenloom.plugins.quantizers.packed",
     "tokenloom.plugins.formats",
     "tokenloom.backends.torch_backend",
 )

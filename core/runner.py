@@ -13,6 +13,7 @@ from tokenloom.core.sampler import Sampler
 from tokenloom.core.sequence import Batch, Sequence
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_SCALE_BYTES = 2  # a quantised KV pool's bfloat16 scale per token per head (backends/torch_backend.py)
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -43,19 +44,29 @@ class ModelRunner:
         self.backend, self.dtype, self.device = backend, dtype, device
         self.block_size, self.max_model_len = block_size, max_model_len
         self.model = LlamaModel(self.cfg, dtype, backend, max_model_len).to(device)
-        self.model.load_weights(checkpoint.weights, quantizer)  # takes (empties) the checkpoint's tensors
+        self.model.load_weights(checkpoint.weights, quantizer, checkpoint.quant_config)  # takes (empties) the checkpoint's tensors
         self.num_blocks = 0
         self.kv_caches: list = []
         self.sampler = Sampler(seed, device)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, kv_cache_dtype: str = "auto") -> None:
+        """``kv_cache_dtype``: ``auto`` (the model dtype) or an 8-bit storage, ``fp8`` or ``int8``."""
         self.num_blocks = num_blocks
         self.kv_caches = self.backend.allocate_kv_cache(self.cfg.num_layers, num_blocks, self.block_size,
-                                                        self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype)
+                                                        self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype,
+                                                        kv_cache_dtype)
 
     @staticmethod
-    def num_blocks_for(cfg, dtype: torch.dtype, block_size: int, memory_mb: int) -> int:
-        per_block = cfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * block_size
+    def kv_bytes_per_token(cfg, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        """KV pool bytes one token takes over all layers. fp8/int8: one byte per element plus
+        one bfloat16 scale per token per kv head, for K and for V (the torch backend's layout)."""
+        if kv_cache_dtype == "auto":
+            return cfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
+        return cfg.kv_bytes_per_token(1) + 2 * cfg.num_layers * cfg.num_kv_heads * KV_SCALE_BYTES
+
+    @staticmethod
+    def num_blocks_for(cfg, dtype: torch.dtype, block_size: int, memory_mb: int, kv_cache_dtype: str = "auto") -> int:
+        per_block = ModelRunner.kv_bytes_per_token(cfg, dtype, kv_cache_dtype) * block_size
         return max(1, (memory_mb << 20) // per_block)
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs, list[int], list[Sequence]]:

@@ -222,11 +222,12 @@ def dense_tensor(raw) -> torch.Tensor:
 
 
 class CheckpointTensors:
-    """The checkpoint's tensors by name; each is taken once, and what is left at the end
-    is an error (a tensor the model does not use)."""
+    """The checkpoint's tensors by name, and its quantisation metadata; each tensor is taken
+    once, and what is left at the end is an error (a tensor the model does not use)."""
 
-    def __init__(self, tensors: dict):
+    def __init__(self, tensors: dict, quant_config: dict | None = None):
         self._tensors = tensors
+        self.quant_config = quant_config or {}  # what the checkpoint says of its quantisation
 
     def has(self, name: str) -> bool:
         return name in self._tensors

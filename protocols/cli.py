@@ -59,10 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_config)
 
     from tokenloom.protocols.bench.cli import add_bench_parser
+    from tokenloom.protocols.eval_cli import add_eval_parser
+    from tokenloom.protocols.quantize_cli import add_quantize_parser
     from tokenloom.protocols.serve_cli import add_serve_parsers
 
     add_serve_parsers(sub)
     add_bench_parser(sub)
+    add_eval_parser(sub)
+    add_quantize_parser(sub)
     return parser
 
 

@@ -24,6 +24,7 @@ ENGINE_FLAGS = {
     "decoder": "decoder.name",
     "backend": "backend.name",
     "quantizer": "quantizer.name",
+    "kv_cache_dtype": "kv_cache_dtype",
     "max_num_seqs": "scheduler.max_num_seqs",
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "chunked_prefill": "scheduler.enable_chunked_prefill",
@@ -46,7 +47,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-manager", help="paged, contiguous, ...")
     g.add_argument("--decoder", help="standard, ...")
     g.add_argument("--backend", help="torch, ...")
-    g.add_argument("--quantizer")
+    g.add_argument("--quantizer", help="gguf, none, int8, rtn, fp8, gptq, awq (default: what the checkpoint says)")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "int8"], help="KV cache storage (auto: the dtype)")
     g.add_argument("--max-num-seqs", type=int)
     g.add_argument("--max-num-batched-tokens", type=int)
     g.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=None)

@@ -17,3 +17,4 @@ class LoadedCheckpoint:
     name: str
     format: str
     quant_method: str | None = None  # what the checkpoint's own metadata says it is quantised with
+    quant_config: dict | None = None  # that metadata (bits, group_size, ...), for the quantizer

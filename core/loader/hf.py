@@ -26,10 +26,31 @@ def load_hf_dir(path: Path, dtype: torch.dtype, progress: Callable[[int, int], N
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 t = f.get_tensor(name)
-                weights[name] = t.float() if t.dim() == 1 else t.to(dtype)
+                if not t.is_floating_point() or t.dtype == torch.float8_e4m3fn:
+                    weights[name] = t  # packed codes (qweight, qzeros, g_idx) and fp8 stay raw
+                elif t.dim() == 1 or name.endswith(("scales", "weight_scale")):
+                    weights[name] = t.float()
+                else:
+                    weights[name] = t.to(dtype)
         if progress is not None:
             progress(i + 1, len(files))
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     tokenizer = Tokenizer.from_hf_dir(path, raw_cfg)
-    return LoadedCheckpoint(cfg, weights, tokenizer, name=path.name, format="hf")
+    quant = quantization_config(path, raw_cfg)
+    return LoadedCheckpoint(cfg, weights, tokenizer, name=path.name, format="hf",
+                            quant_method=quant.get("quant_method") if quant else None, quant_config=quant)
+
+
+def quantization_config(path: Path, raw_cfg: dict) -> dict | None:
+    """What the checkpoint says it is quantised with: config.json's ``quantization_config``
+    (Transformers), else AutoGPTQ's ``quantize_config.json`` or AutoAWQ's ``quant_config.json``."""
+    cfg = raw_cfg.get("quantization_config")
+    if cfg is None:
+        for name, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
+            if (path / name).exists():
+                cfg = {"quant_method": method, **json.loads((path / name).read_text())}
+                break
+    if cfg is not None and not isinstance(cfg.get("quant_method"), str):
+        raise ValueError(f"{path}: quantization config has no quant_method: {cfg!r}")
+    return {**cfg, "quant_method": cfg["quant_method"].lower()} if cfg is not None else None

@@ -60,7 +60,7 @@ class LlamaLayer(nn.Module):
         qk = apply_rope(qkv[:, :cfg.q_size + cfg.kv_size].view(T, -1, cfg.head_dim), cos, sin)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
-        k, v, q = k.to(k_cache.dtype), v.to(v_cache.dtype), q.to(k_cache.dtype)
+        k, v, q = k.to(dtype), v.to(dtype), q.to(dtype)  # the backend quantises K/V in write_kv if asked
         backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         attn = backend.attention(q, k, v, k_cache, v_cache, meta, cfg.head_dim**-0.5)
         h = h + self.o.apply(attn.reshape(T, cfg.q_size).to(dtype)).float()
@@ -96,13 +96,13 @@ class LlamaModel(nn.Module):
         return self.lm_head.apply(x).float()
 
     @torch.inference_mode()
-    def load_weights(self, weights: dict[str, Any], quantizer: Quantizer) -> None:
+    def load_weights(self, weights: dict[str, Any], quantizer: Quantizer, quant_config: dict | None = None) -> None:
         """Take every checkpoint tensor: norms and the embedding are copied in (dequantised
         if need be); each matmul slot goes through ``quantizer`` (which fuses q/k/v and
         gate/up) and is packed by the backend. A missing, misshapen or unused tensor fails
         with a sentence naming it. The model must already be on its device."""
         cfg = self.cfg
-        tensors = CheckpointTensors(weights)
+        tensors = CheckpointTensors(weights, quant_config)
         embed_raw = tensors.take("model.embed_tokens.weight")
         self.embed.copy_(_checked(dense_tensor(embed_raw), self.embed.shape, "model.embed_tokens.weight"))
         self.norm.copy_(_checked(dense_tensor(tensors.take("model.norm.weight")), self.norm.shape, "model.norm.weight"))
@@ -110,7 +110,7 @@ class LlamaModel(nn.Module):
                                (cfg.vocab_size,), cfg.hidden_size)
         if cfg.tie_word_embeddings:
             tensors.discard("lm_head.weight")
-            self.lm_head = self._pack(quantizer, head_slot, CheckpointTensors({"model.embed_tokens.weight": embed_raw}))
+            self.lm_head = self._pack(quantizer, head_slot, CheckpointTensors({"model.embed_tokens.weight": embed_raw}, tensors.quant_config))
         else:
             self.lm_head = self._pack(quantizer, head_slot, tensors)
         q, kv, d, ffn = cfg.q_size, cfg.kv_size, cfg.hidden_size, cfg.intermediate_size

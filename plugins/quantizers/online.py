@@ -83,6 +83,12 @@ class FP8Quantizer:
         pass
 
     def weight_spec(self, slot: LinearSlot, tensors: CheckpointTensors) -> Fp8Weight:
+        """An fp8 checkpoint (``weight`` e4m3 + ``weight_scale``) loads as it is; anything
+        else is quantised here."""
+        if all(tensors.has(part + ".weight_scale") for part in slot.parts):
+            parts = [Fp8Weight(tensors.take(part + ".weight"), tensors.take(part + ".weight_scale").float().flatten())
+                     for part in slot.parts]
+            return slot.fuse(parts)
         data, scales = quantize_fp8_e4m3(_dense(slot, tensors, "fp8"))
         return Fp8Weight(data, scales.float())
 

@@ -31,6 +31,19 @@ def add_bench_parser(sub) -> None:
     dec.add_argument("--json", metavar="FILE")
     add_engine_args(dec)
     dec.set_defaults(func=cmd_decode)
+
+    qu = bsub.add_parser("quant", help="quantisation methods side by side: size, perplexity, decode tok/s")
+    qu.add_argument("--methods", default="none,gguf,int8,rtn,fp8",
+                    help="comma list of NAME (quantizer=NAME at load) or NAME=PATH (an offline checkpoint)")
+    qu.add_argument("--eval-tokens", type=int, default=4096, help="tokens of the evaluation text to score")
+    qu.add_argument("--window", type=int, default=512)
+    qu.add_argument("--stride", type=int, default=None)
+    qu.add_argument("--batch-sizes", default="1,32", help="decode batch sizes ('' skips decode)")
+    qu.add_argument("--prompt-len", type=int, default=32)
+    qu.add_argument("--gen", type=int, default=64, help="tokens generated per sequence")
+    qu.add_argument("--json", metavar="FILE")
+    add_engine_args(qu)
+    qu.set_defaults(func=cmd_quant)
     _add_serve_bench(bsub)
 
     pe = bsub.add_parser("peers", help="the offline workload through tokenloom, llama.cpp and transformers")
@@ -124,4 +137,9 @@ def cmd_offline(args: argparse.Namespace) -> int:
 
 def cmd_decode(args: argparse.Namespace) -> int:
     _report(args, "decode", "run_decode", "format_decode")
+    return 0
+
+
+def cmd_quant(args: argparse.Namespace) -> int:
+    _report(args, "quant", "run_quant", "format_quant")
     return 0
