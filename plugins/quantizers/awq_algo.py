@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenloom.plugins.quantizers.primitives import quantize_rtn
+from tokenloom.plugins.quantizers.primitives import quantize_rtn, token_rows
 
 __all__ = [
     "ActivationStats",
@@ -67,11 +67,8 @@ class ActivationStats:
 
     def add(self, x: torch.Tensor) -> None:
         """Add a batch of activations ``x [..., in]``."""
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"expected inputs with {self.in_features} features, "
-                             f"got shape {tuple(x.shape)}")
-        x = x.detach().reshape(-1, self.in_features).to(self._sum.device, torch.float64)
-        self._sum += x.abs().sum(dim=0)
+        x = token_rows(x, self.in_features).to(self._sum.device)
+        self._sum += x.abs().sum(dim=0).double()
         self.n_tokens += x.shape[0]
 
     @property

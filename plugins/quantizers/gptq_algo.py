@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenloom.plugins.quantizers.primitives import QuantizedWeight, quantize_rtn
+from tokenloom.plugins.quantizers.primitives import QuantizedWeight, quantize_rtn, token_rows
 
 __all__ = ["HessianAccumulator", "gptq_quantize", "layer_error"]
 
@@ -46,7 +46,7 @@ class HessianAccumulator:
 
     Feed the layer's inputs batch by batch with :meth:`add` (``x [..., in]``; leading
     dimensions are flattened into tokens). The sum is kept in float64 so the order and
-    size of the batches do not matter; :attr:`hessian` returns float32 ``[in, in]``.
+    size of the batches barely matter; :attr:`hessian` returns float32 ``[in, in]``.
     """
 
     def __init__(self, in_features: int, device: torch.device | str | None = None):
@@ -57,11 +57,8 @@ class HessianAccumulator:
 
     def add(self, x: torch.Tensor) -> None:
         """Add a batch of activations ``x [..., in]`` (any float dtype)."""
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"expected inputs with {self.in_features} features, "
-                             f"got shape {tuple(x.shape)}")
-        x = x.detach().reshape(-1, self.in_features).to(self._sum.device, torch.float64)
-        self._sum.addmm_(x.T, x)
+        x = token_rows(x, self.in_features).to(self._sum.device)
+        self._sum += (x.T @ x).double()  # one batch's product in float32 (fast), the running sum in float64
         self.n_tokens += x.shape[0]
 
     @property

@@ -56,6 +56,13 @@ _FP8_SLACK = 2.0**-10
 # --------------------------------------------------------------------------- helpers
 
 
+def token_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """A layer's input ``x [..., in]`` as float32 ``[tokens, in]`` (calibration statistics)."""
+    if x.shape[-1] != in_features:
+        raise ValueError(f"expected inputs with {in_features} features, got shape {tuple(x.shape)}")
+    return x.detach().reshape(-1, in_features).float()
+
+
 def _as_2d_float(w: torch.Tensor, who: str) -> torch.Tensor:
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"{who}: expected a torch.Tensor, got {type(w).__name__}")

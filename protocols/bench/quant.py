@@ -9,9 +9,9 @@ A method is given as
   ``quantizer=name`` (``none``, ``gguf``, ``int8``, ``rtn``, ``fp8``, or any registered
   quantizer);
 - ``name=PATH``: a checkpoint (directory or file) produced offline, e.g. ``gptq=out/gptq``,
-  loaded as ``--model PATH``. If ``name`` is a registered quantizer it is selected too
-  (``quantizer=name``); otherwise the checkpoint decides (its own quantisation method, as with
-  no ``--quantizer``), and ``name`` is only the row's label.
+  loaded as ``--model PATH`` with the method its own metadata names (as with no
+  ``--quantizer``: `tokenloom quantize` writes rtn and int8 in the GPTQ layout); ``name`` is
+  the row's label.
 
 ``name`` also picks the row's nominal bits per weight (:data:`NOMINAL_BITS`; ``none`` is the
 engine dtype's width).
@@ -51,10 +51,10 @@ def method_layer(name: str, path: str | None, flags: dict, pm: PluginManager) ->
     """The engine flags for one method (see the module docstring)."""
     if path is None:
         return merge_layers(flags, {"quantizer": name})
+    # A checkpoint is read with the method its own metadata names (`tokenloom quantize`
+    # writes rtn and int8 in the GPTQ layout): ``name`` is only the row's label.
     layer = {k: v for k, v in flags.items() if k != "quantizer"}
     layer["model"] = path
-    if name in pm.entries("quantizer"):
-        layer = merge_layers(layer, {"quantizer": name})
     return layer
 
 
