@@ -34,9 +34,12 @@ class TorchBackendOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
     # plain [in, out] copy for MKL's GEMV at <= 4 rows and a oneDNN-packed copy for
     # batches, 1.5-2.8x faster than MKL there on an AVX2 EPYC. "mkl" or "onednn" keep one.
     cpu_linear: str = "dual"
-    # 4-bit weights on CPU: above this many rows per matmul a dense bf16 copy (kept beside the
-    # int4 one) is faster than the int4 kernel; 0 keeps 4-bit only (least memory).
-    int4_max_rows: int = 8
+    # Quantised weights on CPU: above this many rows per matmul a dense copy (kept beside the
+    # int4/int8 one) is faster than the quantised kernel; 0 keeps the quantised one only.
+    quant_max_rows: int = 8
+    # 8-bit weights with per-group scales (GGUF Q8_0) are re-quantised to one scale per row so
+    # the int8 kernel can run them (a second rounding); false dequantises them instead.
+    int8_regroup: bool = True
 
 
 @dataclass(slots=True)
@@ -116,6 +119,9 @@ class QuantizedKV:
         self.scale[:, dst, :n] = self.scale[:, src, :n]
 
 
+SMALL_BF16_BMM = 3 * 64 * 256  # gathered key elements up to which decode attention runs in fp32
+
+
 class TorchBackend:
     """KV layout per layer: ``[kv_heads, num_blocks, block_size, head_dim]``. Head-major
     means gathering a batch's blocks along dim 1 yields ``[kv_heads * B, len, head_dim]``
@@ -126,7 +132,8 @@ class TorchBackend:
     def __init__(self, options: TorchBackendOptions | None = None, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
         options = options or TorchBackendOptions()
-        self.cpu_linear, self.int4_max_rows = options.cpu_linear, options.int4_max_rows
+        self.cpu_linear, self.quant_max_rows = options.cpu_linear, options.quant_max_rows
+        self.int8_regroup = options.int8_regroup
         if self.cpu_linear not in ("dual", "mkl", "onednn"):
             from tokenloom.core.errors import ConfigError
 
@@ -207,6 +214,8 @@ class TorchBackend:
 
     def attention(self, q, k, v, k_cache, v_cache, meta: TorchAttnMeta, scale: float):
         """q: [T, H, D]; k, v: [T, KVH, D] (this step's); returns [T, H, D]."""
+        if not meta.prefills and meta.decode_rows is not None and meta.decode_rows.numel() == q.shape[0]:
+            return self._decode(q, k_cache, v_cache, meta, scale)  # a pure decode step: rows in order
         out = torch.empty_like(q)
         kv_heads, _, block_size, head_dim = k_cache.shape
         quantized = isinstance(k_cache, QuantizedKV)
@@ -237,11 +246,16 @@ class TorchBackend:
         group = H // kv_heads
         keys = _gather(k_cache, meta.decode_blocks).view(kv_heads * B, -1, D)
         values = _gather(v_cache, meta.decode_blocks).view(kv_heads * B, -1, D)
-        qg = q.view(B, kv_heads, group, D).transpose(0, 1).reshape(kv_heads * B, group, D)
+        if keys.dtype == torch.bfloat16 and keys.numel() <= SMALL_BF16_BMM:
+            # CPU bf16 bmm has a fixed cost (~15 us here) that fp32 does not: for a few short
+            # contexts, upcasting first is faster (8 us at batch 1, 80 tokens); past ~4K
+            # elements per head the conversion costs more than it saves.
+            keys, values = keys.float(), values.float()
+        qg = q.view(B, kv_heads, group, D).transpose(0, 1).reshape(kv_heads * B, group, D).to(keys.dtype)
         scores = torch.bmm(qg, keys.transpose(1, 2)).float() * scale
         scores = scores.view(kv_heads, B, group, -1) + meta.decode_bias
         probs = torch.softmax(scores, dim=-1).to(values.dtype).view(kv_heads * B, group, -1)
-        out = torch.bmm(probs, values)  # [KVH * B, G, D]
+        out = torch.bmm(probs, values).to(q.dtype)  # [KVH * B, G, D]
         return out.view(kv_heads, B, group, D).transpose(0, 1).reshape(B, H, D)
 
     def rms_norm(self, x, weight, eps: float):
@@ -250,7 +264,8 @@ class TorchBackend:
     def pack_linear(self, spec, dtype):
         """Called once per matmul at load time: the LinearWeight this machine computes it
         with (backends/torch_linear.py says which kernel for which spec)."""
-        return pack(spec, dtype, cpu_linear=self.cpu_linear, int4_max_rows=self.int4_max_rows)
+        return pack(spec, dtype, cpu_linear=self.cpu_linear, quant_max_rows=self.quant_max_rows,
+                    int8_regroup=self.int8_regroup)
 
     def silu_mul(self, gate, up):
         return F.silu(gate) * up

@@ -7,10 +7,14 @@ Which kernel runs depends on the spec, the device and the batch:
 - dense bf16/fp16, or any dense weight on CUDA: ``F.linear``;
 - 4-bit group-quantised (GGUF Q4_0/Q4_1, RTN, GPTQ, AWQ) on CPU:
   ``torch._weight_int4pack_mm_for_cpu`` with bf16 activations (it has no fast fp32 path);
-  above ``int4_max_rows`` rows a dense bf16 copy is used instead, where oneDNN wins;
+  above ``quant_max_rows`` rows (both quantised kernels) a dense copy in the engine dtype,
+  kept beside the quantised one, is used instead: the kernels are built for few rows;
 - 8-bit per-channel symmetric on CPU: ``torch._weight_int8pack_mm`` (bf16 activations);
-- anything else (GGUF Q8_0's 32-groups, fp8, quantised specs on CUDA): dequantised once
-  at load to the engine dtype — the kernel name says so.
+- 8-bit with finer groups (GGUF Q8_0: SmolLM2's tied embedding and head) on CPU: with
+  ``int8_regroup`` (default) re-quantised to one scale per row for that kernel — a second
+  rounding, of at most half an int8 step of the row's range; without, dequantised;
+- anything else (fp8, quantised specs on CUDA): dequantised once at load to the engine
+  dtype — the kernel name says so.
 """
 
 from __future__ import annotations
@@ -69,21 +73,21 @@ class Int4Linear:
     __slots__ = ("packed", "scales_zeros", "group_size", "out_features", "in_features", "dense", "max_rows",
                  "kernel", "_nbytes")
 
-    def __init__(self, qw: QuantizedWeight, max_rows: int, dense_dtype: torch.dtype):
+    def __init__(self, qw: QuantizedWeight, max_rows: int, dense):
         self.out_features, self.in_features = qw.shape
         self.group_size = qw.group_size
         self.packed = torch._convert_weight_to_int4pack_for_cpu(qw.codes.to(torch.int32).contiguous(), 1)
         zero = (8.0 - qw.zeros) * qw.scales  # [out, groups]
         self.scales_zeros = torch.stack([qw.scales, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
         self.max_rows = max_rows
-        self.dense = qw.dequantize(dense_dtype) if max_rows > 0 else None
+        self.dense = dense  # the backend's dense LinearWeight of the same values, or None
         self._nbytes = qw.nbytes()
         self.kernel = "int4pack_mm (bf16 act)" + (f" / dense above {max_rows} rows" if max_rows > 0 else "")
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         if self.dense is not None and x2.shape[0] > self.max_rows:
-            out = F.linear(x2.to(self.dense.dtype), self.dense)
+            return self.dense.apply(x)
         else:
             out = torch._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed, self.group_size,
                                                     self.scales_zeros)
@@ -96,17 +100,20 @@ class Int4Linear:
 class Int8Linear:
     """Symmetric 8-bit per output channel for torch's CPU int8 weight-only kernel."""
 
-    __slots__ = ("weight", "scales", "out_features", "in_features", "kernel")
+    __slots__ = ("weight", "scales", "out_features", "in_features", "dense", "max_rows", "kernel")
 
-    def __init__(self, qw: QuantizedWeight):
+    def __init__(self, qw: QuantizedWeight, max_rows: int, dense, kernel: str = "int8pack_mm (bf16 act)"):
         self.out_features, self.in_features = qw.shape
         self.weight = (qw.codes.to(torch.int16) - 128).to(torch.int8).contiguous()
         self.scales = qw.scales[:, 0].to(torch.bfloat16).contiguous()
-        self.kernel = "int8pack_mm (bf16 act)"
+        self.max_rows, self.dense = max_rows, dense
+        self.kernel = kernel + (f" / dense above {max_rows} rows" if dense is not None else "")
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        out = torch._weight_int8pack_mm(x2, self.weight, self.scales)
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.dense is not None and x2.shape[0] > self.max_rows:
+            return self.dense.apply(x)
+        out = torch._weight_int8pack_mm(x2.to(torch.bfloat16), self.weight, self.scales)
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def nbytes(self) -> int:
@@ -117,23 +124,38 @@ def is_int8_per_channel(qw: QuantizedWeight) -> bool:
     return qw.bits == 8 and qw.group_size == qw.shape[1] and bool((qw.zeros == 128).all())
 
 
-def pack(spec: WeightSpec, dtype: torch.dtype, *, cpu_linear: str, int4_max_rows: int):
+def per_channel_int8(qw: QuantizedWeight) -> QuantizedWeight:
+    """8-bit codes with per-group scales re-quantised to one symmetric scale per row."""
+    w = qw.dequantize()
+    scales = (w.abs().amax(dim=1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = (torch.round(w / scales).clamp(-127, 127) + 128).to(torch.uint8)
+    return QuantizedWeight(codes=codes, scales=scales, zeros=torch.full_like(scales, 128.0), bits=8,
+                           group_size=w.shape[1])
+
+
+def pack(spec: WeightSpec, dtype: torch.dtype, *, cpu_linear: str, quant_max_rows: int, int8_regroup: bool = True):
     """The torch backend's choice of LinearWeight for ``spec`` (see the module docstring)."""
     cpu = (spec.device if isinstance(spec, torch.Tensor) else _device(spec)).type == "cpu"
     if isinstance(spec, QuantizedWeight) and cpu and spec.g_idx is None:
         out, inp = spec.shape
+        dense = _dense(spec.dequantize(dtype), cpu_linear, "") if quant_max_rows > 0 else None
         if spec.bits == 4 and spec.group_size in INT4_GROUP_SIZES and inp % spec.group_size == 0 and out % 16 == 0:
-            return Int4Linear(spec, int4_max_rows, dtype)
+            return Int4Linear(spec, quant_max_rows, dense)
         if is_int8_per_channel(spec):
-            return Int8Linear(spec)
-    dense = dequantize(spec, dtype)
-    label = "F.linear" if isinstance(spec, torch.Tensor) else f"dequantised {_kind(spec)} -> F.linear"
-    if dense.dtype == torch.float32 and cpu:
-        packed = PackedLinear(dense, cpu_linear)
-        if not isinstance(spec, torch.Tensor):
-            packed.kernel = f"dequantised {_kind(spec)} -> {packed.kernel}"
+            return Int8Linear(spec, quant_max_rows, dense)
+        if spec.bits == 8 and int8_regroup:
+            return Int8Linear(per_channel_int8(spec), quant_max_rows, dense,
+                              f"int8pack_mm (bf16 act; int8 g{spec.group_size} re-grouped)")
+    return _dense(dequantize(spec, dtype), cpu_linear, "" if isinstance(spec, torch.Tensor) else
+                  f"dequantised {_kind(spec)} -> ")
+
+
+def _dense(weight: torch.Tensor, cpu_linear: str, label: str):
+    if weight.dtype == torch.float32 and weight.device.type == "cpu":
+        packed = PackedLinear(weight, cpu_linear)
+        packed.kernel = label + packed.kernel
         return packed
-    return DenseLinear(dense, label)
+    return DenseLinear(weight, label + "F.linear")
 
 
 def _device(spec) -> torch.device:

@@ -44,14 +44,19 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, *, plugin_manager: PluginManager | None = None, progress=None):
         self.config = config
         self.pm = plugin_manager or PluginManager()
-        parts: EngineParts = build_engine_parts(config, self.pm, progress)
+        # All torch work runs on this one thread, the model load included. libgomp gives every
+        # thread that runs a parallel region its own team, and once a process manages more
+        # OpenMP threads than it has cores, idle ones stop spinning and sleep: each of a decode
+        # step's ~1,000 small parallel regions then waits for a wake-up (measured here: a batch-1
+        # step 10.4 ms when one thread ever ran torch, 21 ms when two did).
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenloom-step")
+        parts: EngineParts = self._executor.submit(build_engine_parts, config, self.pm, progress).result()
         self.tokenizer, self.model_config = parts.tokenizer, parts.model_config
         self.model_name, self.max_model_len = parts.model_name, parts.max_model_len
         self.runner, self.cache, self.scheduler, self.decoder = parts.runner, parts.cache, parts.scheduler, parts.decoder
         self.counters = EngineCounters()
         self._requests: dict[str, _Request] = {}
         self._pending_aborts: list[str] = []
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenloom-step")
         # Long prompts are tokenised here, off the event loop and beside the step thread.
         self._tokenize_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenloom-tokenize")
         self._loop_task: asyncio.Task | None = None
@@ -337,6 +342,11 @@ class AsyncEngine:
             except (asyncio.CancelledError, Exception):
                 pass
         self._loop_task = None
+
+    def call_in_step_thread(self, fn, *args, **kwargs):
+        """Run ``fn`` on the engine's torch thread and wait for it (scoring, calibration).
+        Not from a running event loop: it blocks until the step in flight, if any, is done."""
+        return self._executor.submit(fn, *args, **kwargs).result()
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

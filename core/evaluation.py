@@ -21,8 +21,8 @@ non-overlapping windows one token per window goes unscored. The loss is computed
 natural log; ``ppl = exp(mean NLL)`` over the scored tokens.
 
 Windows are prefills, so a 4-bit method whose backend keeps a dense copy for more than
-``backend.int4_max_rows`` rows is scored through that copy (the same dequantised values; set
-``backend.int4_max_rows=0`` to score through the 4-bit kernel itself). And ``quantizer=none`` on
+``backend.quant_max_rows`` rows is scored through that copy (the same dequantised values; set
+``backend.quant_max_rows=0`` to score through the 4-bit kernel itself). And ``quantizer=none`` on
 a quantised checkpoint (the embedded Q4_1 GGUF) is the dequantised 4-bit model, not the
 original full-precision one.
 """
@@ -164,9 +164,11 @@ def perplexity(engine_or_llm, text_or_ids: str | Seq[int], *, window: int = 512,
         table = list(cache.block_table(scratch))
         total, count = 0.0, 0
         for begin, end, first in spans:
-            logits = runner.prefill_logits(ids[begin:end], table)
-            # row j predicts token begin + j + 1: score positions first .. end - 1
-            total += _token_nll(logits[first - begin - 1:end - begin - 1], ids[first:end])
+            # row j predicts token begin + j + 1: score positions first .. end - 1. Both the
+            # forward and the loss run on the engine's torch thread (see AsyncEngine.__init__).
+            total += engine.call_in_step_thread(
+                lambda b=begin, e=end, f=first: _token_nll(runner.prefill_logits(ids[b:e], table)[f - b - 1:e - b - 1],
+                                                           ids[f:e]))
             count += end - first
     finally:
         cache.free(scratch)
