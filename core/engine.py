@@ -10,7 +10,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import structlog
 
@@ -20,22 +19,14 @@ from tokenloom.core.detokenizer import IncrementalDetokenizer
 from tokenloom.core.errors import ClientError, RequestTooLong
 from tokenloom.core.health import EngineHealth, HealthReport
 from tokenloom.core.inputs import encode_prompt, refuse_by_size
-from tokenloom.core.metrics import EngineCounters, RequestTimer, StepStats
-from tokenloom.core.outputs import Finished, Logprob, TokenDelta, TokenLogprobs, Usage
+from tokenloom.core.metrics import EngineCounters, StepStats, engine_stats
+from tokenloom.core.outputs import Finished, TokenDelta
 from tokenloom.core.plugins import PluginManager
+from tokenloom.core.requests import RequestState
 from tokenloom.core.sampling_params import SamplingParams
-from tokenloom.core.sequence import FINISH_REASONS, Batch, Sequence, SequenceStatus
+from tokenloom.core.sequence import Batch, Sequence, SequenceStatus
 
 log = structlog.get_logger("tokenloom.engine")
-
-
-@dataclass(eq=False, slots=True)
-class _Request:
-    seq: Sequence
-    detok: IncrementalDetokenizer
-    queue: asyncio.Queue
-    timer: RequestTimer = field(default_factory=RequestTimer)
-    done: bool = False
 
 
 class AsyncEngine:
@@ -55,7 +46,7 @@ class AsyncEngine:
         self.model_name, self.max_model_len = parts.model_name, parts.max_model_len
         self.runner, self.cache, self.scheduler, self.decoder = parts.runner, parts.cache, parts.scheduler, parts.decoder
         self.counters = EngineCounters()
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self._pending_aborts: list[str] = []
         # Long prompts are tokenised here, off the event loop and beside the step thread.
         self._tokenize_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenloom-tokenize")
@@ -105,7 +96,7 @@ class AsyncEngine:
 
     def submit(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
                messages: list[dict] | None = None, request_id: str | None = None,
-               cache_salt: str | None = None, parse_special_tokens: bool | None = None) -> _Request:
+               cache_salt: str | None = None, parse_special_tokens: bool | None = None) -> RequestState:
         """Validate and enqueue; raises ClientError before anything is accepted, and
         EngineUnavailable while the engine cannot serve. Requests with different
         ``cache_salt`` never share prefix-cache blocks (tenants). A server tokenises first
@@ -128,7 +119,7 @@ class AsyncEngine:
             raise ClientError.bad_value("cache_salt", cache_salt, "a string of at most 256 characters")
         seq = Sequence(request_id, ids, params, eos_token_ids=self.tokenizer.eos_token_ids, cache_salt=cache_salt)
         self.scheduler.add(seq)  # may raise RequestTooLong (can never fit the cache)
-        req = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params.stop), asyncio.Queue())
+        req = RequestState(seq, IncrementalDetokenizer(self.tokenizer, ids, params.stop), asyncio.Queue())
         self._requests[request_id] = req
         if params.timeout_s is not None:
             heapq.heappush(self._deadlines, (seq.arrival_time + params.timeout_s, seq.seq_id, request_id))
@@ -143,7 +134,7 @@ class AsyncEngine:
         async for item in self.stream(req):
             yield item
 
-    async def stream(self, req: _Request) -> AsyncIterator[TokenDelta | Finished]:
+    async def stream(self, req: RequestState) -> AsyncIterator[TokenDelta | Finished]:
         """Iterate a submitted request's deltas and its final result. Leaving early aborts it."""
         try:
             while True:
@@ -217,7 +208,7 @@ class AsyncEngine:
             if req is not None and not req.done:
                 self._end_early(req, SequenceStatus.FINISHED_ABORTED)
 
-    def _end_early(self, req: _Request, status: SequenceStatus, error: str | None = None) -> None:
+    def _end_early(self, req: RequestState, status: SequenceStatus, error: str | None = None) -> None:
         """Abort, timeout or failure: the scheduler drops the sequence and frees its blocks now."""
         self.scheduler.abort(req.seq.request_id)
         self._finish(req, status, error)
@@ -240,12 +231,12 @@ class AsyncEngine:
             for tok in new:
                 seq.append_token(tok)
                 accepted.append(tok)
-                status = self._check_stop(seq, req, tok)
+                status = req.check_stop(tok, self.max_model_len)
                 if status is not None:
                     break
             generated += len(accepted)
             req.timer.on_tokens(now, len(accepted))
-            self._emit(req, accepted, final=status is not None)
+            req.emit(accepted, final=status is not None)
             if status is not None:
                 self._finish(req, status)
         c = self.counters
@@ -263,44 +254,12 @@ class AsyncEngine:
                 c.preemptions, cache_stats.usage, cache_stats.num_free_blocks, cache_stats.num_blocks,
                 cache_stats.hit_rate))
 
-    def _check_stop(self, seq: Sequence, req: _Request, tok: int) -> SequenceStatus | None:
-        p = seq.params
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in seq.eos_token_ids):
-            return SequenceStatus.FINISHED_STOPPED
-        if req.detok.add(tok):
-            return SequenceStatus.FINISHED_STOPPED
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH
-        return None
-
-    def _emit(self, req: _Request, token_ids: list[int], final: bool) -> None:
-        text = req.detok.take_delta(final)
-        logprobs = None
-        if req.seq.new_logprobs:
-            logprobs = [TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob,
-                                      top=[Logprob(t, v) for t, v in lp.top]) for lp in req.seq.new_logprobs]
-            req.seq.new_logprobs = None
-        if text or token_ids:
-            req.queue.put_nowait(TokenDelta(request_id=req.seq.request_id, text=text,
-                                            token_ids=token_ids, logprobs=logprobs))
-
-    def _finish(self, req: _Request, status: SequenceStatus, error: str | None = None) -> None:
+    def _finish(self, req: RequestState, status: SequenceStatus, error: str | None = None) -> None:
         seq = req.seq
-        seq.status = status
         if status in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH):
             self.scheduler.finish(seq)  # aborts, errors and timeouts went through scheduler.abort
         self.decoder.release(seq)
-        tail = req.detok.take_delta(final=True)
-        if tail:
-            req.queue.put_nowait(TokenDelta(request_id=seq.request_id, text=tail, token_ids=[]))
-        req.done = True
-        final = Finished(
-            request_id=seq.request_id, finish_reason=FINISH_REASONS[status], text=req.detok.text,
-            token_ids=seq.output_token_ids,
-            usage=Usage(prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
-                        completion_tokens=seq.num_output_tokens),
-            metrics=req.timer.finish(seq.num_preemptions), error=error)
-        req.queue.put_nowait(final)
+        final = req.finish(status, error)
         del self._requests[seq.request_id]
         self.counters.finished_requests += 1
         m = final.metrics
@@ -316,19 +275,7 @@ class AsyncEngine:
         return len(self._requests)
 
     def stats(self) -> dict:
-        cs = self.cache.stats()
-        c = self.counters
-        return {
-            "running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
-            # every block is used (live sequences), cached (reclaimable prefix KV) or free
-            "kv_usage": cs.usage, "kv_blocks_used": cs.num_used_blocks, "kv_blocks_cached": cs.num_cached_blocks,
-            "kv_blocks_free": cs.num_free_blocks, "kv_blocks_total": cs.num_blocks,
-            "kv_waste": cs.waste, "prefix_hit_rate": cs.hit_rate, "prefix_cached_blocks": cs.num_cached_blocks,
-            "prefix_evictions": cs.num_evictions, "preemptions": c.preemptions,
-            "steps": c.steps, "generated_tokens": c.generated_tokens, "prompt_tokens": c.prompt_tokens,
-            "finished_requests": c.finished_requests, "peak_kv_usage": c.peak_kv_usage,
-            "peak_running": c.peak_running,
-        }
+        return engine_stats(self.cache.stats(), self.scheduler, self.counters)
 
     async def shutdown(self) -> None:
         for rid in list(self._requests):

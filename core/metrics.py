@@ -60,3 +60,18 @@ class EngineCounters:
     peak_kv_usage: float = 0.0
     peak_running: int = 0
     busy_time_s: float = 0.0
+
+
+def engine_stats(cs, scheduler, c: EngineCounters) -> dict:
+    """What /health and /metrics show: queues, KV blocks (every block is used by live
+    sequences, cached as reclaimable prefix KV, or free), prefix hits, counters."""
+    return {
+        "running": scheduler.num_running, "waiting": scheduler.num_waiting,
+        "kv_usage": cs.usage, "kv_blocks_used": cs.num_used_blocks, "kv_blocks_cached": cs.num_cached_blocks,
+        "kv_blocks_free": cs.num_free_blocks, "kv_blocks_total": cs.num_blocks,
+        "kv_waste": cs.waste, "prefix_hit_rate": cs.hit_rate, "prefix_cached_blocks": cs.num_cached_blocks,
+        "prefix_evictions": cs.num_evictions, "preemptions": c.preemptions,
+        "steps": c.steps, "generated_tokens": c.generated_tokens, "prompt_tokens": c.prompt_tokens,
+        "finished_requests": c.finished_requests, "peak_kv_usage": c.peak_kv_usage,
+        "peak_running": c.peak_running,
+    }

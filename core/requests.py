@@ -1,0 +1,61 @@
+"""One accepted request's side of the engine: its sequence, its detokenizer and the stream
+the caller reads (TokenDelta ... then exactly one Finished)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from tokenloom.core.detokenizer import IncrementalDetokenizer
+from tokenloom.core.metrics import RequestTimer
+from tokenloom.core.outputs import Finished, Logprob, TokenDelta, TokenLogprobs, Usage
+from tokenloom.core.sequence import FINISH_REASONS, Sequence, SequenceStatus
+
+
+@dataclass(eq=False, slots=True)
+class RequestState:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    queue: asyncio.Queue
+    timer: RequestTimer = field(default_factory=RequestTimer)
+    done: bool = False
+
+    def check_stop(self, tok: int, max_model_len: int) -> SequenceStatus | None:
+        """After appending ``tok``: does the sequence end here, and why?"""
+        seq, p = self.seq, self.seq.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in seq.eos_token_ids):
+            return SequenceStatus.FINISHED_STOPPED
+        if self.detok.add(tok):
+            return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def emit(self, token_ids: list[int], final: bool) -> None:
+        """Queue this step's delta: text the detokenizer can release, ids, logprobs."""
+        text = self.detok.take_delta(final)
+        logprobs = None
+        if self.seq.new_logprobs:
+            logprobs = [TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob,
+                                      top=[Logprob(t, v) for t, v in lp.top]) for lp in self.seq.new_logprobs]
+            self.seq.new_logprobs = None
+        if text or token_ids:
+            self.queue.put_nowait(TokenDelta(request_id=self.seq.request_id, text=text,
+                                             token_ids=token_ids, logprobs=logprobs))
+
+    def finish(self, status: SequenceStatus, error: str | None = None) -> Finished:
+        """Queue any held-back text, then the one Finished; returns it."""
+        seq = self.seq
+        seq.status = status
+        tail = self.detok.take_delta(final=True)
+        if tail:
+            self.queue.put_nowait(TokenDelta(request_id=seq.request_id, text=tail, token_ids=[]))
+        self.done = True
+        final = Finished(
+            request_id=seq.request_id, finish_reason=FINISH_REASONS[status], text=self.detok.text,
+            token_ids=seq.output_token_ids,
+            usage=Usage(prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
+                        completion_tokens=seq.num_output_tokens),
+            metrics=self.timer.finish(seq.num_preemptions), error=error)
+        self.queue.put_nowait(final)
+        return final
