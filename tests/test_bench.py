@@ -144,7 +144,8 @@ def test_offline_and_decode_commands_on_a_tiny_model(tiny_model_dir, tmp_path):
     assert report["results"][0]["output_tokens"] == report["results"][1]["output_tokens"] == \
         report["workload"]["output_tokens"]
     dec = subprocess.run([*base, "decode", "--batch-sizes", "1,3", "--gen", "4", "--json", str(tmp_path / "d.json"),
-                          "--dtypes", "float32,bfloat16", *model], capture_output=True, text=True, timeout=300)
+                          "--dtypes", "float32,bfloat16", "--profile", *model], capture_output=True, text=True,
+                         timeout=300)
     assert dec.returncode == 0, dec.stderr[-2000:]
     d = json.loads((tmp_path / "d.json").read_text())
     assert [v["dtype"] for v in d["variants"]] == ["float32", "bfloat16"]
@@ -152,6 +153,9 @@ def test_offline_and_decode_commands_on_a_tiny_model(tiny_model_dir, tmp_path):
         assert [r["batch_size"] for r in v["results"]] == [1, 3] and "fraction_of_floor" in v["results"][0]
     assert d["variants"][1]["weight_bytes"] < d["variants"][0]["weight_bytes"]
     assert "| float32 |" not in dec.stdout and "1.00x" in dec.stdout  # a row per variant, ratio to the first
+    prof = d["variants"][0]["profiles"][0]
+    assert prof["batch_size"] == 1 and 0 < prof["weight_matmul_share"] < 1 and prof["top"]
+    assert "weight matmuls" in dec.stdout and "aten::" in dec.stdout
 
 
 @pytest.mark.slow

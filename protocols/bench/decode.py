@@ -77,7 +77,14 @@ def _run_variant(args, flags: dict, pm: PluginManager) -> dict:
                             "ms_per_step": 1e3 * b / res["decode_tok_s"] if res["decode_tok_s"] else None,
                             "output_tok_s": res["output_tok_s"]})
             print(f"  batch {b}: {res['decode_tok_s']:.1f} tok/s decode", flush=True)
-        return {"name": name, "dtype": dtype, "kernel": model.layers[0].qkv.kernel,
+        profiles = []
+        if getattr(args, "profile", False):  # `bench quant` reuses this without the flag
+            from tokenloom.protocols.bench.profile import format_profile, profile_decode
+
+            for b in sizes:
+                profiles.append(profile_decode(llm, b, args.prompt_len))
+                print(format_profile(profiles[-1]), flush=True)
+        return {"name": name, "dtype": dtype, "kernel": model.layers[0].qkv.kernel, "profiles": profiles,
                 "weight_bytes": model.weight_bytes_per_token(), "results": results}
     finally:
         llm.close()
