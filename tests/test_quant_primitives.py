@@ -8,14 +8,10 @@ import torch
 from tokenloom.plugins.quantizers.layouts import (
     AWQ_PACK_ORDER,
     AWQ_UNPACK_ORDER,
-    QuantConfig,
-    awq_config,
     awq_pack,
     awq_unpack,
-    gptq_config,
     gptq_pack,
     gptq_unpack,
-    read_quant_config,
 )
 from tokenloom.plugins.quantizers.primitives import (
     QuantizedWeight,
@@ -29,6 +25,12 @@ from tokenloom.plugins.quantizers.primitives import (
     quantize_rtn,
     rtn_error_bound,
     unpack_int4,
+)
+from tokenloom.plugins.quantizers.quant_config import (
+    QuantConfig,
+    awq_config,
+    gptq_config,
+    read_quant_config,
 )
 
 

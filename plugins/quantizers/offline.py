@@ -33,8 +33,9 @@ from tokenloom.plugins.quantizers.awq_algo import (
     awq_search_scales,
 )
 from tokenloom.plugins.quantizers.gptq_algo import HessianAccumulator, gptq_quantize
-from tokenloom.plugins.quantizers.layouts import awq_config, awq_pack, gptq_config, gptq_pack
+from tokenloom.plugins.quantizers.layouts import awq_pack, gptq_pack
 from tokenloom.plugins.quantizers.primitives import quantize_fp8_e4m3, quantize_rtn
+from tokenloom.plugins.quantizers.quant_config import awq_config, gptq_config
 
 METHODS = ("int8", "rtn", "gptq", "awq", "fp8")
 SLOTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),

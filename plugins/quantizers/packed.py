@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from tokenloom.core.hookspecs import hookimpl
 from tokenloom.core.weights import CheckpointTensors, LinearSlot, WeightSpec, dense_tensor
-from tokenloom.plugins.quantizers.layouts import awq_unpack, gptq_unpack, read_quant_config
+from tokenloom.plugins.quantizers.layouts import awq_unpack, gptq_unpack
+from tokenloom.plugins.quantizers.quant_config import read_quant_config
 
 _GPTQ_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
 _AWQ_TENSORS = ("qweight", "qzeros", "scales")
