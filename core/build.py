@@ -10,6 +10,7 @@ import torch
 
 from tokenloom.core import env
 from tokenloom.core.config import EngineConfig, build_config, load_toml
+from tokenloom.core.interfaces import DecoderContext
 from tokenloom.core.loader.resolve import resolve_model_path
 from tokenloom.core.plugins import PluginManager
 from tokenloom.core.runner import ModelRunner, load_checkpoint, pick_device, pick_dtype
@@ -63,7 +64,8 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager, progress=None) -
     cache = pm.get("cache_manager", config.cache_manager.name).factory(
         config.cache_manager.options, num_blocks, e.block_size)
     scheduler = pm.get("scheduler", config.scheduler.name).factory(config.scheduler.options, cache, config)
-    decoder = pm.get("decoder", config.decoder.name).factory(config.decoder.options, runner)
+    context = DecoderContext(config=config, plugin_manager=pm, model_config=mcfg, cache=cache, runner=runner)
+    decoder = pm.get("decoder", config.decoder.name).factory(config.decoder.options, context)
     log.info("engine_built", model=name, format=ckpt.format, quantization=method, device=str(device), dtype=str(dtype),
              num_kv_blocks=num_blocks, block_size=e.block_size, max_model_len=max_model_len,
              **{role: strategy for role, strategy in config.selection().items()})

@@ -67,8 +67,10 @@ def register_decoders(register):
 
     Called once per plugin manager, at start-up.
 
-    :param register: as for :func:`register_schedulers`; ``factory(options, runner)``
-        returns a :class:`tokenloom.core.interfaces.Decoder`.
+    :param register: as for :func:`register_schedulers`; ``factory(options, context)``, with
+        a frozen :class:`tokenloom.core.interfaces.DecoderContext` (engine config, plugin
+        manager, model config, cache manager, model runner), returns a
+        :class:`tokenloom.core.interfaces.Decoder`.
     :returns: nothing; results are ignored.
     """
 

@@ -148,6 +148,18 @@ class Quantizer(Protocol):
         missing or misshapen tensor raises ValueError naming it."""
 
 
+@dataclass(frozen=True, slots=True)
+class DecoderContext:
+    """What a decoder factory gets besides its options: one frozen struct, so that a new need
+    (a second model for drafting, a rank) becomes a field and old decoders keep working."""
+
+    config: Any  # the EngineConfig
+    plugin_manager: Any
+    model_config: Any
+    cache: CacheManager
+    runner: Any  # the ModelRunner: forward, sampler, model
+
+
 @runtime_checkable
 class Decoder(Protocol):
     def step(self, batch: Batch) -> dict[Sequence, list[int]]:

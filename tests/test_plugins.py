@@ -37,7 +37,7 @@ def test_every_hook_is_documented():
 class _Plugin:
     @hookimpl
     def register_decoders(self, register):
-        register("needs-contiguous", lambda options, runner: None,
+        register("needs-contiguous", lambda options, context: None,
                  requires={"cache_manager": ["contiguous"]}, conflicts={"scheduler": ["static"]})
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from tokenloom.core.hookspecs import hookimpl
+from tokenloom.core.interfaces import DecoderContext
 from tokenloom.core.sequence import Batch, Sequence
 
 
@@ -13,8 +14,8 @@ class StandardOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class StandardDecoder:
-    def __init__(self, options: StandardOptions | None, runner):
-        self.runner = runner
+    def __init__(self, options: StandardOptions | None, context: DecoderContext):
+        self.runner = context.runner
 
     def step(self, batch: Batch) -> dict[Sequence, list[int]]:
         logits, seqs = self.runner.forward(batch)
