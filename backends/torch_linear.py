@@ -138,13 +138,16 @@ def pack(spec: WeightSpec, dtype: torch.dtype, *, cpu_linear: str, quant_max_row
     cpu = (spec.device if isinstance(spec, torch.Tensor) else _device(spec)).type == "cpu"
     if isinstance(spec, QuantizedWeight) and cpu and spec.g_idx is None:
         out, inp = spec.shape
-        dense = _dense(spec.dequantize(dtype), cpu_linear, "") if quant_max_rows > 0 else None
+
+        def dense():  # the copy used above quant_max_rows, built only for a quantised kernel
+            return _dense(spec.dequantize(dtype), cpu_linear, "") if quant_max_rows > 0 else None
+
         if spec.bits == 4 and spec.group_size in INT4_GROUP_SIZES and inp % spec.group_size == 0 and out % 16 == 0:
-            return Int4Linear(spec, quant_max_rows, dense)
+            return Int4Linear(spec, quant_max_rows, dense())
         if is_int8_per_channel(spec):
-            return Int8Linear(spec, quant_max_rows, dense)
+            return Int8Linear(spec, quant_max_rows, dense())
         if spec.bits == 8 and int8_regroup:
-            return Int8Linear(per_channel_int8(spec), quant_max_rows, dense,
+            return Int8Linear(per_channel_int8(spec), quant_max_rows, dense(),
                               f"int8pack_mm (bf16 act; int8 g{spec.group_size} re-grouped)")
     return _dense(dequantize(spec, dtype), cpu_linear, "" if isinstance(spec, torch.Tensor) else
                   f"dequantised {_kind(spec)} -> ")
