@@ -19,8 +19,11 @@ def add_quantize_parser(sub) -> None:
     q.add_argument("--group-size", type=int, default=128,
                    help="columns per scale; halved until it divides every matmul width")
     q.add_argument("--act-order", action="store_true", help="gptq: quantise columns by descending Hessian diagonal")
+    q.add_argument("--rounding", choices=("gptq", "nearest"), default="gptq",
+                   help="int8/fp8: GPTQ error feedback against calibration Hessians (default), or round each "
+                        "weight to the nearest grid point (no calibration)")
     q.add_argument("--calibration-tokens", type=int, default=16384,
-                   help="gptq/awq: tokens of calibration text (CPython's pydoc topics, the calibration part)")
+                   help="gptq/awq, int8/fp8 with --rounding gptq: tokens of calibration text (CPython's pydoc topics, the calibration part)")
     add_engine_args(q)
     q.set_defaults(func=cmd_quantize)
 
@@ -47,7 +50,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if args.method == "awq" and args.bits != 4:
         print("error: --bits: awq writes 4-bit weights only (AutoAWQ's GEMM layout)", file=sys.stderr)
         return 2
-    opts = QuantizeOptions(args.method, args.bits, args.group_size, args.act_order)
+    opts = QuantizeOptions(args.method, args.bits, args.group_size, args.act_order, rounding=args.rounding)
     flags = {**flags_layer(args), "quantizer": "none", "dtype": "float32"}  # calibrate on the dense model
     pm = PluginManager()
     config = config_from_sources(pm, args.config, flags)
@@ -56,11 +59,11 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                                  {n: e.factory for n, e in pm.entries("model_format").items()}, torch.float32)
     dense = dense_weights(checkpoint)
     captures = None
-    if opts.method in ("gptq", "awq"):
+    if opts.needs_hessians or opts.method == "awq":
         llm = LLM(config_file=args.config, flags=flags, plugin_manager=pm, progress=_progress_bar("loading model"))
         try:
             chunks = calibration_texts(args.calibration_tokens, llm.engine.tokenizer)
-            captures = calibrate(llm, chunks, hessian=opts.method == "gptq", awq=opts.method == "awq",
+            captures = calibrate(llm, chunks, hessian=opts.needs_hessians, awq=opts.method == "awq",
                                  progress=_progress_bar(f"calibrating on {sum(map(len, chunks))} tokens"))
         finally:
             llm.close()

@@ -24,9 +24,14 @@ from tokenloom.plugins.quantizers.awq_algo import (
 from tokenloom.plugins.quantizers.gptq_algo import (
     HessianAccumulator,
     gptq_quantize,
+    gptq_quantize_fp8,
     layer_error,
 )
-from tokenloom.plugins.quantizers.primitives import quantize_rtn
+from tokenloom.plugins.quantizers.primitives import (
+    dequantize_fp8_e4m3,
+    quantize_fp8_e4m3,
+    quantize_rtn,
+)
 
 IN, OUT, TOKENS = 256, 128, 2048
 OUTLIERS = (3, 77, 140, 201)
@@ -91,6 +96,20 @@ def test_gptq_beats_rtn(layer, group_size):
     assert int(qt.codes.max()) <= 15
     ratio = _ratio(w, H, qt, group_size)
     print(f"gptq/rtn layer error, bits=4 g={group_size}: {ratio:.3f}")
+    assert ratio < 0.8
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_on_the_fp8_grid_beats_rounding_each_weight(layer, act_order):
+    w, _, H = layer
+    q, scales = gptq_quantize_fp8(w, H, act_order=act_order)
+    near_q, near_scales = quantize_fp8_e4m3(w)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape
+    # Same layout and scales as plain e4m3 rounding: only which grid point each weight takes changes.
+    torch.testing.assert_close(scales, near_scales)
+    assert bool(torch.isfinite(q.float()).all()) and float(q.float().abs().max()) <= 448.0
+    ratio = layer_error(w, dequantize_fp8_e4m3(q, scales), H) / layer_error(w, dequantize_fp8_e4m3(near_q, near_scales), H)
+    print(f"gptq-fp8/nearest-fp8 layer error (act_order={act_order}): {ratio:.3f}")
     assert ratio < 0.8
 
 

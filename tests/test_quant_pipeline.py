@@ -89,3 +89,12 @@ def test_rtn_group_size_fits_the_input_width():
 
     assert fit_group(128, 576) == 64 and fit_group(128, 1536) == 128 and fit_group(-1, 576) == 576
     assert fit_group(128, 100) == 100  # no power-of-two group of >= 32 divides 100: one group per row
+
+
+@pytest.mark.parametrize("lm_head", [False, True])
+def test_fp8_keeps_the_output_head_dense_unless_asked(tiny_model_dir, lm_head):
+    with LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=16,
+             quantizer={"name": "fp8", "lm_head": lm_head}) as llm:
+        model = llm.engine.runner.model
+        assert model.layers[0].qkv.kernel.startswith("dequantised fp8")
+        assert model.lm_head.kernel.startswith("dequantised fp8") == lm_head, model.lm_head.kernel

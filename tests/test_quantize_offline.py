@@ -37,23 +37,26 @@ def _quantize(tiny_model_dir, out, method, **kw):
     ckpt = _checkpoint(tiny_model_dir)
     opts = QuantizeOptions(method, **kw)
     captures = None
-    if method in ("gptq", "awq"):
+    if opts.needs_hessians or method == "awq":
         rng = random.Random(0)
         chunks = [[rng.randrange(256) for _ in range(128)] for _ in range(4)]
         with LLM(**tiny_engine_kwargs(tiny_model_dir, quantizer="none")) as llm:
-            captures = calibrate(llm, chunks, hessian=method == "gptq", awq=method == "awq")
+            captures = calibrate(llm, chunks, hessian=opts.needs_hessians, awq=method == "awq")
             assert llm.engine.cache.stats().num_used_blocks == 0
     tensors, config = quantize_state_dict(dense_weights(ckpt), ckpt.config.num_layers, opts, captures)
     save_hf_dir(out, ckpt, tensors, config)
     return tensors, config
 
 
-@pytest.mark.parametrize("method, kernel, quant_method", [
-    ("gptq", "int4pack_mm", "gptq"), ("awq", "int4pack_mm", "awq"), ("rtn", "int4pack_mm", "gptq"),
-    ("int8", "int8pack_mm", "gptq"), ("fp8", "dequantised fp8", "fp8")])
-def test_written_checkpoints_load_with_their_own_method(tiny_model_dir, tmp_path, method, kernel, quant_method):
+@pytest.mark.parametrize("method, rounding, kernel, quant_method", [
+    ("gptq", "gptq", "int4pack_mm", "gptq"), ("awq", "nearest", "int4pack_mm", "awq"),
+    ("rtn", "nearest", "int4pack_mm", "gptq"), ("int8", "gptq", "int8pack_mm", "gptq"),
+    ("int8", "nearest", "int8pack_mm", "gptq"), ("fp8", "gptq", "dequantised fp8", "fp8"),
+    ("fp8", "nearest", "dequantised fp8", "fp8")])
+def test_written_checkpoints_load_with_their_own_method(tiny_model_dir, tmp_path, method, rounding, kernel,
+                                                        quant_method):
     out = tmp_path / method
-    _quantize(tiny_model_dir, out, method, group_size=32)
+    _quantize(tiny_model_dir, out, method, group_size=32, rounding=rounding)
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == quant_method
     with LLM(model=str(out), dtype="float32", num_kv_blocks=64) as quant, \

@@ -36,9 +36,15 @@ from __future__ import annotations
 
 import torch
 
-from tokenloom.plugins.quantizers.primitives import QuantizedWeight, quantize_rtn, token_rows
+from tokenloom.plugins.quantizers.primitives import (
+    FP8_E4M3_MAX,
+    QuantizedWeight,
+    quantize_fp8_e4m3,
+    quantize_rtn,
+    token_rows,
+)
 
-__all__ = ["HessianAccumulator", "gptq_quantize", "layer_error"]
+__all__ = ["HessianAccumulator", "gptq_quantize", "gptq_quantize_fp8", "layer_error"]
 
 
 class HessianAccumulator:
@@ -103,6 +109,109 @@ def _upper_cholesky_of_inverse(H: torch.Tensor, damp_percent: float) -> torch.Te
         "use more calibration data or a larger damp_percent")
 
 
+class _IntGrid:
+    """``bits``-wide integer codes with a scale and zero point per group (:func:`quantize_rtn`'s grid)."""
+
+    code_dtype = torch.uint8
+
+    def __init__(self, bits: int, sym: bool):
+        self.bits, self.sym, self.maxq = bits, sym, float(2**bits - 1)
+        self.scales: list[torch.Tensor] = []
+        self.zeros: list[torch.Tensor] = []
+
+    def start_group(self, current: torch.Tensor) -> None:
+        qt = quantize_rtn(current, bits=self.bits, group_size=current.shape[1], sym=self.sym)
+        self.scales.append(qt.scales[:, 0])
+        self.zeros.append(qt.zeros[:, 0])
+        self.scale, self.zero = qt.scales[:, 0].float(), qt.zeros[:, 0].float()
+        self.inv_scale = torch.where(self.scale > 0, 1.0 / self.scale, torch.zeros_like(self.scale))
+
+    def round(self, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = torch.clamp(torch.round(col * self.inv_scale) + self.zero, 0.0, self.maxq)
+        return q.to(torch.uint8), (q - self.zero) * self.scale
+
+
+class _Fp8Grid:
+    """float8 e4m3 codes with one scale per row (:func:`quantize_fp8_e4m3`'s grid)."""
+
+    code_dtype = torch.float8_e4m3fn
+
+    def start_group(self, current: torch.Tensor) -> None:
+        _, self.scale = quantize_fp8_e4m3(current)
+
+    def round(self, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = torch.clamp(col / self.scale, -FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+        return q, q.float() * self.scale
+
+
+def _check(w: torch.Tensor, H: torch.Tensor, block_size: int) -> None:
+    if w.ndim != 2:
+        raise ValueError(f"expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
+    if H.shape != (w.shape[1], w.shape[1]):
+        raise ValueError(f"Hessian shape {tuple(H.shape)} does not match in={w.shape[1]}")
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+
+
+def _error_feedback(w: torch.Tensor, H: torch.Tensor, grid, *, group_size: int, damp_percent: float,
+                    act_order: bool, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """GPTQ's column loop on any rounding ``grid``: ``(codes [out, in] in the original
+    column order, perm or None)``. ``grid.start_group(current)`` is called at each group's
+    first column with the group's up-to-date weights; ``grid.round(col)`` returns a column's
+    codes and the values they stand for."""
+    out_f, in_f = w.shape
+    gs = group_size
+    W = w.detach().to(torch.float32).clone()
+    H = H.detach().to(W.device, torch.float32).clone()
+
+    # Dead inputs: H_jj = 0 makes H singular; their weights never reach the output.
+    dead = torch.diagonal(H) == 0
+    if bool(dead.any()):
+        H[dead, dead] = 1.0
+        W[:, dead] = 0.0
+
+    perm = None
+    if act_order:
+        perm = torch.argsort(torch.diagonal(H), descending=True, stable=True)
+        W = W[:, perm]
+        H = H[perm][:, perm]
+
+    Hinv = _upper_cholesky_of_inverse(H, damp_percent)
+    del H
+
+    Q = torch.empty(out_f, in_f, dtype=grid.code_dtype, device=W.device)
+    for i1 in range(0, in_f, block_size):
+        i2 = min(i1 + block_size, in_f)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            j = i1 + i
+            if j % gs == 0:
+                # New group: parameters from its current (error-updated) weights.
+                gend = min(j + gs, in_f)
+                cur = W1[:, i:min(gend, i2) - i1]
+                if gend > i2:  # the rest of the group lies beyond this block
+                    tail = W[:, i2:gend] - Err1[:, :i] @ Hinv[i1:j, i2:gend]
+                    cur = torch.cat([cur, tail], dim=1)
+                grid.start_group(cur)
+            col = W1[:, i]
+            q, value = grid.round(col)
+            Q[:, j] = q
+            err = (col - value) / Hinv1[i, i]
+            Err1[:, i] = err
+            if i + 1 < i2 - i1:
+                W1[:, i + 1:].addr_(err, Hinv1[i, i + 1:], alpha=-1.0)
+        if i2 < in_f:
+            W[:, i2:].addmm_(Err1, Hinv[i1:i2, i2:], alpha=-1.0)
+
+    if perm is not None:
+        Q_orig = torch.empty_like(Q)
+        Q_orig[:, perm] = Q
+        Q = Q_orig
+    return Q, perm
+
+
 def gptq_quantize(
     w: torch.Tensor,
     H: torch.Tensor,
@@ -131,83 +240,35 @@ def gptq_quantize(
     Columns with ``H_jj == 0`` ("dead" inputs: always zero in the calibration data) have
     no effect on the objective; their weights are set to 0 and quantised as such.
     """
-    if w.ndim != 2:
-        raise ValueError(f"expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
-    out_f, in_f = w.shape
-    if H.shape != (in_f, in_f):
-        raise ValueError(f"Hessian shape {tuple(H.shape)} does not match in={in_f}")
+    _check(w, H, block_size)
     if not 1 <= bits <= 8:
         raise ValueError(f"bits must be in 1..8, got {bits}")
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
+    in_f = w.shape[1]
     gs = in_f if group_size is None or group_size <= 0 else min(int(group_size), in_f)
-    maxq = float(2**bits - 1)
-
-    W = w.detach().to(torch.float32).clone()
-    H = H.detach().to(W.device, torch.float32).clone()
-
-    # Dead inputs: H_jj = 0 makes H singular; their weights never reach the output.
-    dead = torch.diagonal(H) == 0
-    if bool(dead.any()):
-        H[dead, dead] = 1.0
-        W[:, dead] = 0.0
-
-    perm = None
-    if act_order:
-        perm = torch.argsort(torch.diagonal(H), descending=True, stable=True)
-        W = W[:, perm]
-        H = H[perm][:, perm]
-
-    Hinv = _upper_cholesky_of_inverse(H, damp_percent)
-    del H
-
-    n_groups = -(-in_f // gs)
-    Q = torch.empty(out_f, in_f, dtype=torch.uint8, device=W.device)
-    scales: list[torch.Tensor] = []
-    zeros: list[torch.Tensor] = []
-    scale = zero = inv_scale = None
-
-    for i1 in range(0, in_f, block_size):
-        i2 = min(i1 + block_size, in_f)
-        W1 = W[:, i1:i2].clone()
-        Err1 = torch.zeros_like(W1)
-        Hinv1 = Hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            j = i1 + i
-            if j % gs == 0:
-                # New group: parameters from its current (error-updated) weights.
-                gend = min(j + gs, in_f)
-                cur = W1[:, i:min(gend, i2) - i1]
-                if gend > i2:  # the rest of the group lies beyond this block
-                    tail = W[:, i2:gend] - Err1[:, :i] @ Hinv[i1:j, i2:gend]
-                    cur = torch.cat([cur, tail], dim=1)
-                qt = quantize_rtn(cur, bits=bits, group_size=gend - j, sym=sym)
-                scales.append(qt.scales[:, 0])
-                zeros.append(qt.zeros[:, 0])
-                scale = qt.scales[:, 0].to(torch.float32)
-                zero = qt.zeros[:, 0].to(torch.float32)
-                inv_scale = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-            col = W1[:, i]
-            q = torch.clamp(torch.round(col * inv_scale) + zero, 0.0, maxq)
-            Q[:, j] = q.to(torch.uint8)
-            err = (col - (q - zero) * scale) / Hinv1[i, i]
-            Err1[:, i] = err
-            if i + 1 < i2 - i1:
-                W1[:, i + 1:].addr_(err, Hinv1[i, i + 1:], alpha=-1.0)
-        if i2 < in_f:
-            W[:, i2:].addmm_(Err1, Hinv[i1:i2, i2:], alpha=-1.0)
-
-    assert len(scales) == n_groups
-    scales_t = torch.stack(scales, dim=1).contiguous()
-    zeros_t = torch.stack(zeros, dim=1).contiguous()
-
+    grid = _IntGrid(bits, sym)
+    Q, perm = _error_feedback(w, H, grid, group_size=gs, damp_percent=damp_percent, act_order=act_order,
+                              block_size=block_size)
+    assert len(grid.scales) == -(-in_f // gs)
     g_idx = None
     if perm is not None:
-        order_group = torch.arange(in_f, device=W.device, dtype=torch.int32) // gs
-        g_idx = torch.empty(in_f, dtype=torch.int32, device=W.device)
+        order_group = torch.arange(in_f, device=Q.device, dtype=torch.int32) // gs
+        g_idx = torch.empty(in_f, dtype=torch.int32, device=Q.device)
         g_idx[perm] = order_group
-        Q_orig = torch.empty_like(Q)
-        Q_orig[:, perm] = Q
-        Q = Q_orig
+    return QuantizedWeight(codes=Q, scales=torch.stack(grid.scales, dim=1).contiguous(),
+                           zeros=torch.stack(grid.zeros, dim=1).contiguous(), bits=bits, group_size=gs, g_idx=g_idx)
 
-    return QuantizedWeight(codes=Q, scales=scales_t, zeros=zeros_t, bits=bits, group_size=gs, g_idx=g_idx)
+
+def gptq_quantize_fp8(w: torch.Tensor, H: torch.Tensor, *, damp_percent: float = 0.01, act_order: bool = False,
+                      block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's error feedback on the float8 e4m3 grid: ``(q float8_e4m3fn [out, in], scales
+    float32 [out])``, the layout :func:`quantize_fp8_e4m3` returns (one scale per row,
+    ``max|w_row| / 448`` of the original row; a weight that error feedback pushes past it
+    is clamped to ±448). Only the rounding changes: each column's rounding error is spread
+    over the columns not yet quantised, as for the integer grid, so a row's dot product
+    with the calibration inputs is kept rather than each weight on its own. Act-order only
+    changes the processing order (fp8 has no groups to re-index)."""
+    _check(w, H, block_size)
+    grid = _Fp8Grid()
+    Q, _ = _error_feedback(w, H, grid, group_size=w.shape[1], damp_percent=damp_percent, act_order=act_order,
+                           block_size=block_size)
+    return Q, grid.scale.float()

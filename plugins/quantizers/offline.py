@@ -10,7 +10,13 @@ primitives -> *the quantised state dict* -> runtime weights).
 3. Each slot is quantised: ``rtn`` (round to nearest), ``gptq`` (error feedback against
    the Hessian, Frantar et al. 2022), ``awq`` (activation-aware channel scales folded into
    the preceding RMSNorm or up_proj, then clipping and RTN, Lin et al. 2023), ``int8``
-   (per channel), ``fp8`` (e4m3 per channel).
+   (per channel), ``fp8`` (e4m3 per channel). The 8-bit methods round with GPTQ's error
+   feedback by default (``rounding="gptq"``: the same grid and scales as plain rounding,
+   each weight's grid point chosen so the layer's outputs on the calibration text move
+   least); ``rounding="nearest"`` rounds each weight alone and needs no calibration.
+   Only the transformer layers' matmuls are quantised: the embedding and the output head
+   (tied in SmolLM2) stay in the checkpoint's precision, as vLLM and llm-compressor leave
+   ``lm_head`` by default.
 4. Written as a Hugging Face directory in the layouts other tools read: GPTQ layout
    (AutoGPTQ ``qweight``/``qzeros``/``scales``/``g_idx``) for ``gptq``, ``rtn`` and ``int8``,
    AutoAWQ GEMM for ``awq``, and ``weight`` fp8 + ``weight_scale`` for ``fp8``.
@@ -32,7 +38,11 @@ from tokenloom.plugins.quantizers.awq_algo import (
     awq_search_clip,
     awq_search_scales,
 )
-from tokenloom.plugins.quantizers.gptq_algo import HessianAccumulator, gptq_quantize
+from tokenloom.plugins.quantizers.gptq_algo import (
+    HessianAccumulator,
+    gptq_quantize,
+    gptq_quantize_fp8,
+)
 from tokenloom.plugins.quantizers.layouts import awq_pack, gptq_pack
 from tokenloom.plugins.quantizers.primitives import quantize_fp8_e4m3, quantize_rtn
 from tokenloom.plugins.quantizers.quant_config import awq_config, gptq_config
@@ -50,6 +60,11 @@ class QuantizeOptions:
     group_size: int = 128  # halved until it divides every matmul's input width (576 -> 64)
     act_order: bool = False  # GPTQ desc_act
     damp_percent: float = 0.01
+    rounding: str = "gptq"  # int8/fp8: "gptq" (error feedback against calibration Hessians) or "nearest"
+
+    @property
+    def needs_hessians(self) -> bool:
+        return self.method == "gptq" or (self.method in ("int8", "fp8") and self.rounding == "gptq")
 
 
 @dataclass(slots=True)
@@ -145,7 +160,8 @@ def quantize_state_dict(dense: dict[str, torch.Tensor], num_layers: int, opts: Q
     if opts.method == "awq":
         config = {**awq_config(bits, group), "quant_method": "awq"}
     elif opts.method == "fp8":
-        config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_scheme": "per_channel"}
+        config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_scheme": "per_channel",
+                  "tokenloom_rounding": opts.rounding}
     else:
         config = {**gptq_config(bits, group, opts.act_order and opts.method == "gptq", opts.method == "int8",
                                 true_sequential=False, damp_percent=opts.damp_percent),
@@ -158,8 +174,14 @@ def _quantize(w: torch.Tensor, opts: QuantizeOptions, group: int, captures, slot
         return gptq_quantize(w, captures[slot].hessian.hessian, bits=opts.bits, group_size=group,
                              damp_percent=opts.damp_percent, act_order=opts.act_order)
     if opts.method == "int8":
+        if opts.rounding == "gptq":
+            return gptq_quantize(w, captures[slot].hessian.hessian, bits=8, group_size=-1, sym=True,
+                                 damp_percent=opts.damp_percent, act_order=opts.act_order)
         return quantize_rtn(w, bits=8, group_size=-1, sym=True)
     if opts.method == "fp8":
+        if opts.rounding == "gptq":
+            return gptq_quantize_fp8(w, captures[slot].hessian.hessian, damp_percent=opts.damp_percent,
+                                     act_order=opts.act_order)
         return quantize_fp8_e4m3(w)
     if opts.method == "awq":
         x = torch.cat(captures[slot].sample)

@@ -13,8 +13,8 @@ A method is given as
   ``--quantizer``: `tokenloom quantize` writes rtn and int8 in the GPTQ layout); ``name`` is
   the row's label.
 
-``name`` also picks the row's nominal bits per weight (:data:`NOMINAL_BITS`; ``none`` is the
-engine dtype's width).
+``name`` (up to its first ``-``: ``fp8-gptq=DIR`` is an fp8 row) also picks the row's nominal
+bits per weight (:data:`NOMINAL_BITS`; ``none`` is the engine dtype's width).
 """
 
 from __future__ import annotations
@@ -59,9 +59,10 @@ def method_layer(name: str, path: str | None, flags: dict, pm: PluginManager) ->
 
 
 def nominal_bits(name: str, dtype: str) -> int | None:
+    """Bits per weight of the method a row's label names (``fp8-gptq`` -> ``fp8``)."""
     if name == "none":
         return torch.finfo(getattr(torch, dtype)).bits
-    return NOMINAL_BITS.get(name)
+    return NOMINAL_BITS.get(name.partition("-")[0])
 
 
 def _score(args, flags: dict, pm: PluginManager, text: str) -> dict:
