@@ -19,6 +19,7 @@ from tokenloom.core.detokenizer import IncrementalDetokenizer
 from tokenloom.core.errors import ClientError, RequestTooLong
 from tokenloom.core.health import EngineHealth, HealthReport
 from tokenloom.core.inputs import encode_prompt, refuse_by_size
+from tokenloom.core.interfaces import DecoderOutput
 from tokenloom.core.metrics import EngineCounters, StepStats, engine_stats
 from tokenloom.core.outputs import Finished, TokenDelta
 from tokenloom.core.plugins import PluginManager
@@ -46,6 +47,7 @@ class AsyncEngine:
         self.model_name, self.max_model_len = parts.model_name, parts.max_model_len
         self.runner, self.cache, self.scheduler, self.decoder = parts.runner, parts.cache, parts.scheduler, parts.decoder
         self.counters = EngineCounters()
+        self._decoder_names = sorted(self.pm.entries("decoder"))
         self._requests: dict[str, RequestState] = {}
         self._pending_aborts: list[str] = []
         # Long prompts are tokenised here, off the event loop and beside the step thread.
@@ -103,6 +105,9 @@ class AsyncEngine:
         with :meth:`prompt_ids_async` and submits the ids."""
         params = params or SamplingParams()
         params.validate(self.model_config.vocab_size)
+        if params.decoder is not None and params.decoder not in self._decoder_names:
+            raise ClientError(f"unknown decoder {params.decoder!r}; known: {', '.join(self._decoder_names)}",
+                              param="decoder", value=params.decoder)
         self._ensure_loop()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
@@ -213,27 +218,32 @@ class AsyncEngine:
         self.scheduler.abort(req.seq.request_id)
         self._finish(req, status, error)
 
-    def _update(self, batch: Batch, out: dict[Sequence, list[int]], step_time: float) -> None:
+    def _update(self, batch: Batch, out: DecoderOutput, step_time: float) -> None:
         now = time.monotonic()
         generated = prefill_tokens = decode_seqs = 0
         for seq, n in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
             req = self._requests[seq.request_id]
-            seq.num_computed_tokens += n
+            res = out.get(seq)
+            # Accepted drafts' KV was written this step: they count as computed; rejected
+            # lookahead slots are simply overwritten by later steps.
+            seq.num_computed_tokens += n + (res.num_accepted if res is not None else 0)
             req.timer.on_scheduled(now)
             if n > 1 or seq.num_computed_tokens <= seq.num_prompt_tokens:
                 prefill_tokens += n
             else:
                 decode_seqs += 1
-            new = out.get(seq)
-            if not new:
+            if res is None or not res.token_ids:
                 continue
             status, accepted = None, []
-            for tok in new:
+            for tok in res.token_ids:
                 seq.append_token(tok)
                 accepted.append(tok)
                 status = req.check_stop(tok, self.max_model_len)
                 if status is not None:
                     break
+            seq.new_logprobs = res.logprobs[:len(accepted)] if res.logprobs else None
+            req.num_drafted += res.num_drafted
+            req.num_accepted += res.num_accepted
             generated += len(accepted)
             req.timer.on_tokens(now, len(accepted))
             req.emit(accepted, final=status is not None)
@@ -275,7 +285,7 @@ class AsyncEngine:
         return len(self._requests)
 
     def stats(self) -> dict:
-        return engine_stats(self.cache.stats(), self.scheduler, self.counters)
+        return engine_stats(self.cache.stats(), self.scheduler, self.counters, self.decoder.stats())
 
     async def shutdown(self) -> None:
         for rid in list(self._requests):

@@ -83,11 +83,14 @@ class CacheManager(Protocol):
     def can_ever_fit(self, seq: Sequence) -> bool:
         """Could ``seq`` at its maximum length fit an otherwise empty cache?"""
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool: ...
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> bool: ...
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Grow ``seq``'s block table to hold ``num_computed_tokens + num_new_tokens``
-        tokens. All or nothing: returns False (and changes nothing) when it cannot."""
+    def allocate(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> bool:
+        """Grow ``seq``'s block table to hold ``num_computed_tokens + num_new_tokens +
+        num_lookahead`` tokens. All or nothing: returns False (and changes nothing) when it
+        cannot. Lookahead slots hold draft tokens' KV for one step: only the accepted ones
+        become computed tokens (the engine advances ``num_computed_tokens`` by those), the
+        rest are overwritten later, and a prefix cache registers computed tokens only."""
 
     def free(self, seq: Sequence) -> None: ...
 
@@ -160,13 +163,43 @@ class DecoderContext:
     runner: Any  # the ModelRunner: forward, sampler, model
 
 
+@dataclass(slots=True)
+class SequenceOutput:
+    """What one step produced for one sequence that reached its end.
+
+    ``token_ids``: the new tokens, in order (the accepted drafts, then one token the target
+    sampled: a recovered token where a draft was rejected, else the bonus token).
+    ``num_accepted``: how many of the step's draft tokens were accepted; their KV, written
+    this step, becomes computed (``num_computed_tokens`` advances by the scheduled tokens
+    plus these). ``num_drafted``: draft tokens verified this step. ``logprobs``: one
+    ``TokenLogprob`` per new token when the request asked for them, else ``None``."""
+
+    token_ids: list[int]
+    num_accepted: int = 0
+    num_drafted: int = 0
+    logprobs: list | None = None
+
+
+#: a step's result: an entry for each sequence that sampled (partial prefill chunks have none)
+DecoderOutput = dict[Sequence, SequenceOutput]
+
+
 @runtime_checkable
 class Decoder(Protocol):
-    def step(self, batch: Batch) -> dict[Sequence, list[int]]:
-        """Run one step; return the new tokens of each sequence that sampled this step."""
+    """Turns a scheduled batch into new tokens. The built-in decoders share one step
+    (plugins/decoders/base.py): the target model runs every scheduled and draft token, the
+    drafts are verified with rejection sampling (exact: the output distribution is the
+    target's), and each sequence's proposer drafts its next step's tokens into
+    ``seq.draft_token_ids``; the scheduler reserves KV slots for them."""
+
+    def step(self, batch: Batch) -> DecoderOutput:
+        """Run one step; return a :class:`SequenceOutput` for each sequence that sampled."""
 
     def release(self, seq: Sequence) -> None:
         """``seq`` finished (any reason): drop per-sequence state (sampler generators, draft KV)."""
+
+    def stats(self) -> dict[str, float]:
+        """Counters for ``engine.stats()`` (speculation: drafted, accepted, ...); {} if none."""
 
 
 @runtime_checkable

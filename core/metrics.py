@@ -21,7 +21,7 @@ class RequestTimer:
     def on_tokens(self, now: float, n: int) -> None:
         self.token_times.extend([now] * n)
 
-    def finish(self, num_preemptions: int = 0) -> RequestMetrics:
+    def finish(self, num_preemptions: int = 0, num_drafted: int = 0, num_accepted: int = 0) -> RequestMetrics:
         now = time.monotonic()
         t = self.token_times
         ttft = (t[0] - self.arrival) * 1e3 if t else None
@@ -29,7 +29,8 @@ class RequestTimer:
         itl = [(b - a) * 1e3 for a, b in zip(t, t[1:], strict=False)]
         queue = (self.first_scheduled - self.arrival) * 1e3 if self.first_scheduled is not None else None
         return RequestMetrics(ttft_ms=ttft, tpot_ms=tpot, e2e_ms=(now - self.arrival) * 1e3,
-                              queue_ms=queue, itl_ms=itl, num_preemptions=num_preemptions)
+                              queue_ms=queue, itl_ms=itl, num_preemptions=num_preemptions,
+                              num_draft_tokens=num_drafted, num_accepted_tokens=num_accepted)
 
 
 @dataclass(slots=True)
@@ -62,10 +63,11 @@ class EngineCounters:
     busy_time_s: float = 0.0
 
 
-def engine_stats(cs, scheduler, c: EngineCounters) -> dict:
+def engine_stats(cs, scheduler, c: EngineCounters, decoder_stats: dict | None = None) -> dict:
     """What /health and /metrics show: queues, KV blocks (every block is used by live
-    sequences, cached as reclaimable prefix KV, or free), prefix hits, counters."""
-    return {
+    sequences, cached as reclaimable prefix KV, or free), prefix hits, counters, and the
+    decoders' own counters under ``decoder_*`` (speculation: drafted, accepted, ...)."""
+    return {**{f"decoder_{k}": v for k, v in (decoder_stats or {}).items()},
         "running": scheduler.num_running, "waiting": scheduler.num_waiting,
         "kv_usage": cs.usage, "kv_blocks_used": cs.num_used_blocks, "kv_blocks_cached": cs.num_cached_blocks,
         "kv_blocks_free": cs.num_free_blocks, "kv_blocks_total": cs.num_blocks,

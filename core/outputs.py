@@ -29,6 +29,8 @@ class RequestMetrics(msgspec.Struct, frozen=True, kw_only=True):
     queue_ms: float | None  # arrival -> first scheduled
     itl_ms: list[float] = msgspec.field(default_factory=list)  # gaps between token arrivals
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    num_accepted_tokens: int = 0  # of which accepted (each step also emits one target token)
 
 
 class TokenDelta(msgspec.Struct, frozen=True, kw_only=True):

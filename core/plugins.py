@@ -36,6 +36,7 @@ BUILTIN_PLUGINS = (
     "tokenloom.plugins.cache.contiguous",
     "tokenloom.plugins.cache.radix",
     "tokenloom.plugins.decoders.standard",
+    "tokenloom.plugins.decoders.ngram",
     "tokenloom.plugins.quantizers.native",
     "tokenloom.plugins.quantizers.online",
     "tokenloom.plugins.quantizers.packed",

@@ -19,6 +19,8 @@ class RequestState:
     queue: asyncio.Queue
     timer: RequestTimer = field(default_factory=RequestTimer)
     done: bool = False
+    num_drafted: int = 0  # draft tokens verified for this request (speculative decoders)
+    num_accepted: int = 0  # of which accepted
 
     def check_stop(self, tok: int, max_model_len: int) -> SequenceStatus | None:
         """After appending ``tok``: does the sequence end here, and why?"""
@@ -56,6 +58,6 @@ class RequestState:
             token_ids=seq.output_token_ids,
             usage=Usage(prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
                         completion_tokens=seq.num_output_tokens),
-            metrics=self.timer.finish(seq.num_preemptions), error=error)
+            metrics=self.timer.finish(seq.num_preemptions, self.num_drafted, self.num_accepted), error=error)
         self.queue.put_nowait(final)
         return final

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -11,6 +12,22 @@ from tokenloom.core.loader import LoadedCheckpoint
 from tokenloom.core.models.llama import LlamaModel
 from tokenloom.core.sampler import Sampler
 from tokenloom.core.sequence import Batch, Sequence
+
+
+@dataclass(slots=True)
+class ForwardOutput:
+    """What :meth:`ModelRunner.forward` returns for the sequences that sample this step.
+
+    ``logits [R, V]`` float32: for each sequence in ``seqs``, ``num_rows[i] = 1 + k`` rows in
+    order: its last scheduled token, then its k draft tokens (row j predicts the token after
+    draft j). ``hidden [R, H]``: the same rows' final hidden states (before the final norm),
+    only when asked (Medusa heads read them)."""
+
+    logits: torch.Tensor | None
+    seqs: list[Sequence]
+    num_rows: list[int]
+    hidden: torch.Tensor | None = None
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_SCALE_BYTES = 2  # a quantised KV pool's bfloat16 scale per token per head (backends/torch_backend.py)
@@ -69,7 +86,11 @@ class ModelRunner:
         per_block = ModelRunner.kv_bytes_per_token(cfg, dtype, kv_cache_dtype) * block_size
         return max(1, (memory_mb << 20) // per_block)
 
-    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs, list[int], list[Sequence]]:
+    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs, list[int], list[Sequence],
+                                              list[int]]:
+        """Flatten the batch: input ids, positions, attention inputs, and the rows whose logits
+        are wanted (``1 + len(drafts)`` consecutive rows for each sequence that samples), the
+        sequences they belong to and each one's row count."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -77,44 +98,52 @@ class ModelRunner:
         attn = AttentionInputs(slot_mapping=None, block_size=bs)  # type: ignore[arg-type]
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
-        for seq, n, table in zip(batch.seqs, batch.num_scheduled_tokens, batch.block_tables, strict=True):
+        row_counts: list[int] = []
+        drafts_of = batch.draft_tokens or [[]] * len(batch.seqs)
+        for seq, n, table, drafts in zip(batch.seqs, batch.num_scheduled_tokens, batch.block_tables, drafts_of,
+                                         strict=True):
             start, row = seq.num_computed_tokens, len(input_ids)
             end = start + n
+            k = len(drafts)
             input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if n == 1 and start > 0:
+            input_ids.extend(drafts)
+            positions.extend(range(start, end + k))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end + k))
+            if n == 1 and k == 0 and start > 0:
                 attn.decode_rows.append(row)
                 attn.decode_context_lens.append(end)
                 attn.decode_block_tables.append(table)
-            else:
-                attn.prefills.append(PrefillSpan(row, row + n, end, table))
-            if end == seq.num_tokens:  # reached the end: this sequence samples a token
-                sample_rows.append(row + n - 1)
+            else:  # a prompt chunk, or a last token and its drafts: causal over the context
+                attn.prefills.append(PrefillSpan(row, row + n + k, end + k, table))
+            if end == seq.num_tokens:  # reached the end: this sequence samples (and verifies its drafts)
+                sample_rows.extend(range(row + n - 1, row + n + k))
                 sample_seqs.append(seq)
+                row_counts.append(k + 1)
         dev = self.device
         attn.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev), attn, sample_rows, sample_seqs)
+                torch.tensor(positions, dtype=torch.long, device=dev), attn, sample_rows, sample_seqs, row_counts)
 
     @torch.inference_mode()
-    def forward(self, batch: Batch) -> tuple[torch.Tensor | None, list[Sequence]]:
-        """Run the batch; return logits [S, V] for the S sequences that sample this step."""
+    def forward(self, batch: Batch, *, return_hidden: bool = False) -> ForwardOutput:
+        """Run the batch (scheduled and draft tokens); return the logits of each sampling
+        sequence's last scheduled token and of its drafts (see :class:`ForwardOutput`)."""
         if batch.copies:
             self.backend.copy_blocks(self.kv_caches, batch.copies)
-        input_ids, positions, attn, rows, seqs = self.prepare(batch)
+        input_ids, positions, attn, rows, seqs, counts = self.prepare(batch)
         meta = self.backend.prepare(attn)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not rows:
-            return None, []
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]), seqs
+            return ForwardOutput(None, [], [], None)
+        picked = hidden[torch.tensor(rows, device=self.device)] if len(rows) < hidden.shape[0] else hidden
+        return ForwardOutput(self.model.compute_logits(picked), seqs, counts, picked if return_hidden else None)
 
     @torch.inference_mode()
     def prefill_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
         """Logits for every position of one prompt (tests and scoring)."""
         seq = Sequence("score", list(token_ids), params=None)  # type: ignore[arg-type]
         batch = Batch([seq], [len(token_ids)], [block_table])
-        input_ids, positions, attn, _, _ = self.prepare(batch)
+        input_ids, positions, attn, *_ = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, self.backend.prepare(attn))
         return self.model.compute_logits(hidden)
 

@@ -22,6 +22,7 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 # repetition_penalty divides (or multiplies) logits: within [1/100, 10] a logit changes by
 # at most 100x, so even extreme logits (1e4) stay far from float32 overflow, and 1e-45 or
 # 1e-300 (zero in float32) cannot reach the sampler.
+MAX_SPECULATIVE_TOKENS = 16  # draft tokens verified per step (K)
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
 
@@ -37,6 +38,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     the sampled token's log-probability and the top ``n`` alternatives, computed from the
     model's raw distribution (before penalties and temperature), as vLLM does.
     ``timeout_s`` is a deadline in seconds from the request's arrival (``None``: no deadline).
+    ``decoder`` picks the request's decoder strategy by name (``standard``, ``ngram``, ...;
+    ``None``: the engine's configured one) and ``num_speculative_tokens`` its K, the draft
+    tokens verified per step (``None``: the decoder's own default). Every decoder gives the
+    same output distribution; only the speed differs.
     """
 
     temperature: float = 1.0
@@ -53,6 +58,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     seed: int | None = None
     logprobs: int | None = None
     timeout_s: float | None = None
+    decoder: str | None = None
+    num_speculative_tokens: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
@@ -119,6 +126,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             _finite("timeout_s", self.timeout_s)
             if not 0.0 < self.timeout_s <= MAX_TIMEOUT_S:
                 raise ClientError.bad_value("timeout_s", self.timeout_s, f"in (0, {MAX_TIMEOUT_S:g}] seconds")
+        if self.decoder is not None and (not isinstance(self.decoder, str) or not 0 < len(self.decoder) <= 64):
+            raise ClientError.bad_value("decoder", self.decoder, "a decoder name")
+        if self.num_speculative_tokens is not None:
+            _int("num_speculative_tokens", self.num_speculative_tokens)
+            if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+                raise ClientError.bad_value("num_speculative_tokens", self.num_speculative_tokens,
+                                            f"in [0, {MAX_SPECULATIVE_TOKENS}]")
 
 
 def _finite(name: str, value: object) -> None:

@@ -60,6 +60,8 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     # Per-step outputs filled by the decoder, read by the engine.
     new_logprobs: list | None = None
+    # Tokens a decoder proposed after the last step, for the next step to verify (see Batch).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
@@ -100,6 +102,11 @@ class Batch:
     ``num_scheduled_tokens[i]`` tokens of ``seqs[i]`` are run, starting at its
     ``num_computed_tokens``; a sequence whose scheduled tokens reach its end gets a new
     token sampled, a partial prefill chunk does not.
+
+    ``draft_tokens[i]`` are proposed tokens run after those (speculative decoding): their KV
+    goes into slots the scheduler reserved with ``allocate(seq, n, num_lookahead=k)``, the
+    runner returns logits for them too, and the decoder verifies them. Only a sequence whose
+    scheduled tokens reach its end carries drafts. ``num_batched_tokens`` counts them.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
@@ -109,13 +116,14 @@ class Batch:
     # (src block, dst block, num tokens): KV copies to make before the step (copy-on-write
     # of a partially shared block, from a prefix cache that shares at token granularity)
     copies: list[tuple[int, int, int]] = field(default_factory=list)
+    draft_tokens: list[list[int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens)
+        return sum(self.num_scheduled_tokens) + sum(map(len, self.draft_tokens))
 
     @property
     def is_empty(self) -> bool:

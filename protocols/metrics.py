@@ -40,12 +40,18 @@ class ServerMetrics:
         self.preemptions = Gauge("tokenloom_num_preemptions", "Preemptions since start", registry=r)
         self.cached_blocks = Gauge("tokenloom_prefix_cache_blocks", "KV blocks held for prefix reuse", registry=r)
         self.evictions = Gauge("tokenloom_prefix_cache_evictions", "Prefix-cache evictions since start", registry=r)
+        self.spec_drafted = Counter("tokenloom_spec_decode_draft_tokens", "Draft tokens verified", registry=r)
+        self.spec_accepted = Counter("tokenloom_spec_decode_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.decoder = Gauge("tokenloom_decoder_stat", "Decoder counters (engine.stats() decoder_*)",
+                             ["stat"], registry=r)
 
     def observe_finished(self, reason: str, final) -> None:
         self.requests.labels(finish_reason=reason).inc()
         self.prompt_tokens.inc(final.usage.prompt_tokens)
         self.cached_tokens.inc(final.usage.cached_tokens)
         self.completion_tokens.inc(final.usage.completion_tokens)
+        self.spec_drafted.inc(final.metrics.num_draft_tokens)
+        self.spec_accepted.inc(final.metrics.num_accepted_tokens)
         if final.metrics.ttft_ms is not None:
             self.ttft.observe(final.metrics.ttft_ms / 1e3)
         if final.metrics.tpot_ms is not None:
@@ -64,4 +70,7 @@ class ServerMetrics:
         self.preemptions.set(s["preemptions"])
         self.cached_blocks.set(s["prefix_cached_blocks"])
         self.evictions.set(s["prefix_evictions"])
+        for key, value in s.items():
+            if key.startswith("decoder_"):
+                self.decoder.labels(stat=key.removeprefix("decoder_")).set(value)
         return generate_latest(self.registry).decode()

@@ -48,12 +48,12 @@ class ContiguousCacheManager:
                     return start
         return None
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> bool:
         if seq.seq_id in self._runs:
-            return seq.num_computed_tokens + num_new_tokens <= self._runs[seq.seq_id][1] * self.block_size
+            return seq.num_computed_tokens + num_new_tokens + num_lookahead <= self._runs[seq.seq_id][1] * self.block_size
         return self._find_run(self._reserve_len(seq)) is not None
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def allocate(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> bool:
         if seq.seq_id not in self._runs:
             count = self._reserve_len(seq)
             start = self._find_run(count)
@@ -64,7 +64,7 @@ class ContiguousCacheManager:
             self.num_free_blocks -= count
         start, count = self._runs[seq.seq_id]
         total = seq.num_computed_tokens + num_new_tokens
-        if total > count * self.block_size:
+        if total + num_lookahead > count * self.block_size:
             return False
         self._num_tokens[seq.seq_id] = max(self._num_tokens.get(seq.seq_id, 0), total)
         return True

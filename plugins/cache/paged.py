@@ -150,12 +150,12 @@ class PagedCacheManager:
         have = len(self._tables.get(seq.seq_id, ()))
         return max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - have)
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self._blocks_needed(seq, num_new_tokens) <= len(self._free)
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> bool:
+        return self._blocks_needed(seq, num_new_tokens + num_lookahead) <= len(self._free)
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def allocate(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> bool:
         self._register_computed(seq)
-        need = self._blocks_needed(seq, num_new_tokens)
+        need = self._blocks_needed(seq, num_new_tokens + num_lookahead)
         if need > len(self._free):
             return False
         table = self._tables.setdefault(seq.seq_id, [])

@@ -234,15 +234,15 @@ class RadixCacheManager:
         have = len(self._tables.get(seq.seq_id, ()))
         return max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - have)
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        need = self._need(seq, num_new_tokens)
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> bool:
+        need = self._need(seq, num_new_tokens + num_lookahead)
         return need <= len(self._free) or need <= len(self._free) + self._evictable_blocks()
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def allocate(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> bool:
         table = self._tables.get(seq.seq_id)
         if table and seq.num_computed_tokens <= seq.num_prompt_tokens:
             self._cache_computed(seq)  # share a prompt while it is still being prefilled
-        blocks = self._take(self._need(seq, num_new_tokens))
+        blocks = self._take(self._need(seq, num_new_tokens + num_lookahead))
         if blocks is None:
             return False
         self._tables.setdefault(seq.seq_id, []).extend(blocks)

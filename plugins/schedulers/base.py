@@ -50,6 +50,7 @@ class QueueScheduler:
         self.running.remove(seq)
         self.cache.free(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -73,9 +74,21 @@ class QueueScheduler:
         batch.copies = self.cache.take_copies()
         return batch
 
-    def _add_to_batch(self, batch: Batch, seq: Sequence, n: int) -> None:
+    @staticmethod
+    def drafts_for(seq: Sequence, n: int, budget: int) -> list[int]:
+        """The proposed tokens ``seq`` verifies this step if it runs ``n`` tokens: only when
+        those reach its end, at most ``budget - n`` of them, and never so many that accepting
+        all of them plus the bonus token would pass ``max_tokens``."""
+        drafts = seq.draft_token_ids
+        if not drafts or seq.num_computed_tokens + n != seq.num_tokens:
+            return []
+        k = min(len(drafts), budget - n, seq.max_len - seq.num_tokens - 1)
+        return drafts[:k] if k > 0 else []
+
+    def _add_to_batch(self, batch: Batch, seq: Sequence, n: int, drafts: list[int] | None = None) -> None:
         batch.seqs.append(seq)
         batch.num_scheduled_tokens.append(n)
+        batch.draft_tokens.append(drafts or [])
         batch.block_tables.append(self.cache.block_table(seq))
 
     def has_unfinished(self) -> bool:

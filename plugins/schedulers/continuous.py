@@ -1,6 +1,7 @@
 """`continuous`: FCFS continuous batching (Orca / vLLM).
 
-Each step: running sequences first, oldest first (decodes take one token; a sequence
+Each step: running sequences first, oldest first (decodes take one token, plus the draft
+tokens their decoder proposed when the budget and the cache have room for them; a sequence
 still prefilling takes the next chunk); then waiting sequences are admitted while the
 token budget, the sequence cap and the KV cache allow. When a running sequence cannot
 get a block, the newest running sequence is preempted by recompute: its KV is dropped
@@ -51,15 +52,18 @@ class ContinuousScheduler(QueueScheduler):
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.cache.allocate(seq, n):
+            drafts = self.drafts_for(seq, n, budget)
+            if drafts and not self.cache.allocate(seq, n, num_lookahead=len(drafts)):
+                drafts = []  # no room to speculate: decode plainly, never preempt for drafts
+            while not drafts and not self.cache.allocate(seq, n):
                 victim = self.running[-1]
                 self.preempt(victim, batch)
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.PREEMPTED:
                 break
-            self._add_to_batch(batch, seq, n)
-            budget -= n
+            self._add_to_batch(batch, seq, n, drafts)
+            budget -= n + len(drafts)
             i += 1
         if batch.preempted:  # memory is tight: admit nothing new this step
             return self.finalize(batch)

@@ -37,8 +37,9 @@ class StaticScheduler(QueueScheduler):
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-        for seq in self.running:
-            self._add_to_batch(batch, seq, seq.num_tokens - seq.num_computed_tokens)
+        for seq in self.running:  # drafts always fit: the reservation covers max_len
+            n = seq.num_tokens - seq.num_computed_tokens
+            self._add_to_batch(batch, seq, n, self.drafts_for(seq, n, seq.max_len))
         return self.finalize(batch)
 
 

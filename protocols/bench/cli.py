@@ -32,6 +32,8 @@ def add_bench_parser(sub) -> None:
                      help="also profile decode steps at each batch size (torch.profiler): top ops, matmul share")
     dec.add_argument("--json", metavar="FILE")
     add_engine_args(dec)
+    dec.add_argument("--rounds", type=int, default=1,
+                     help="measure every variant N times, interleaved, and report medians (a noisy machine)")
     dec.set_defaults(func=cmd_decode)
 
     qu = bsub.add_parser("quant", help="quantisation methods side by side: size, perplexity, decode tok/s")

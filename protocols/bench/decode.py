@@ -3,6 +3,7 @@ memory-bandwidth floor (every weight byte is read once per token)."""
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -42,8 +43,15 @@ def _variants(args) -> list[dict]:
 
 
 def run_decode(args, flags: dict, pm: PluginManager) -> dict:
-    """Decode tok/s per batch size for every variant, then the read bandwidth once."""
-    variants = [_run_variant(args, merge_layers(flags, v), pm) for v in _variants(args)]
+    """Decode tok/s per batch size for every variant, then the read bandwidth once.
+
+    With ``--rounds N`` every variant is built and measured N times, the rounds interleaved
+    (A, B, A, B, ...) so that a slow spell of a shared machine hits every variant alike; each
+    figure is the median over the rounds, and the rounds' own figures are kept beside it."""
+    layers = _variants(args)
+    rounds = [[_run_variant(args, merge_layers(flags, v), pm) for v in layers]
+              for _ in range(max(1, getattr(args, "rounds", 1)))]
+    variants = [_median_of_rounds([r[i] for r in rounds]) for i in range(len(layers))]
     bw = read_bandwidth_gbs()
     for v in variants:
         v["floor_ms_per_token"] = v["weight_bytes"] / (bw * 1e9) * 1e3
@@ -52,6 +60,20 @@ def run_decode(args, flags: dict, pm: PluginManager) -> dict:
                 r["floor_ms"] = v["floor_ms_per_token"]
                 r["fraction_of_floor"] = v["floor_ms_per_token"] / r["ms_per_step"]
     return {"read_bandwidth_gbs": bw, "threads": torch.get_num_threads(), "variants": variants}
+
+
+def _median_of_rounds(runs: list[dict]) -> dict:
+    if len(runs) == 1:
+        return runs[0]
+    out = dict(runs[0])
+    out["results"] = []
+    for i, first in enumerate(runs[0]["results"]):
+        tok_s = [run["results"][i]["decode_tok_s"] for run in runs]
+        med = statistics.median(tok_s)
+        out["results"].append({**first, "decode_tok_s": med, "ms_per_step": 1e3 * first["batch_size"] / med if med else None,
+                               "output_tok_s": statistics.median(run["results"][i]["output_tok_s"] for run in runs),
+                               "rounds_decode_tok_s": tok_s})
+    return out
 
 
 def _run_variant(args, flags: dict, pm: PluginManager) -> dict:
@@ -99,6 +121,9 @@ def format_decode(report: dict) -> str:
              + " | ".join(f"batch {b} tok/s" for b in sizes) + " | batch-1 share of floor | batch 1 vs first row |",
              "| --- | --- | --- | --- | " + " | ".join("---" for _ in sizes) + " | --- | --- |"]
     base = report["variants"][0]["results"][0]["decode_tok_s"]
+    rounds = len(report["variants"][0]["results"][0].get("rounds_decode_tok_s", [0]))
+    if rounds > 1:
+        lines[0] += f"; each figure the median of {rounds} interleaved rounds"
     for v in report["variants"]:
         first = v["results"][0]
         share = f"{100 * first['fraction_of_floor']:.0f}%" if "fraction_of_floor" in first else "-"

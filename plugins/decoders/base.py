@@ -1,0 +1,116 @@
+"""The step every built-in decoder shares, and per-request decoder choice.
+
+One step: the target model runs each sequence's scheduled tokens and the draft tokens the
+scheduler let it verify (``Batch.draft_tokens``); :func:`verify` turns the logits into new
+tokens by rejection sampling (exact); then each sequence's *proposer* sets
+``seq.draft_token_ids`` for the next step, so the scheduler can reserve their KV slots.
+
+The proposer is the request's own decoder (``SamplingParams.decoder``, else the engine's
+configured one), so one batch mixes standard, n-gram and other sequences: they share the
+forward and the verification and differ only in what they propose. A decoder named by a
+request but not configured is built on first use with its default options.
+
+Speculation is switched off for a step when more than ``max_batch`` sequences sample in
+it: with a batch that large the forward is compute-bound, and k extra rows per sequence
+cost more than the accepted tokens save. The stats count those skipped proposals.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from tokenloom.core.interfaces import DecoderContext, DecoderOutput, SequenceOutput
+from tokenloom.core.runner import ForwardOutput
+from tokenloom.core.sequence import Batch, Sequence
+from tokenloom.plugins.decoders.verify import verify
+
+
+class SharedStepDecoder:
+    """Base of the built-in decoders: the shared :meth:`step`; subclasses override
+    :meth:`propose` (and ``default_k``, ``max_batch``, ``needs_hidden``)."""
+
+    name = "standard"
+    default_k = 0
+    max_batch = 1 << 30
+    needs_hidden = False
+
+    def __init__(self, options, context: DecoderContext):
+        self.options = options
+        self.context = context
+        self.runner = context.runner
+        self._proposers: dict[str, SharedStepDecoder] = {self.name: self}
+        self._counters: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(
+            ("steps", "drafted", "accepted", "emitted", "skipped"), 0))
+
+    # ---- what a subclass changes ----------------------------------------------------
+    def propose(self, seqs: list[Sequence], outputs: DecoderOutput, forward: ForwardOutput) -> None:
+        """After a step: set ``seq.draft_token_ids`` for each of ``seqs`` (all of them this
+        decoder's requests, each with an entry in ``outputs`` whose tokens are not yet in
+        ``seq.token_ids``). ``standard`` proposes nothing."""
+        for seq in seqs:
+            seq.draft_token_ids = []
+
+    def num_speculative_tokens(self, seq: Sequence) -> int:
+        k = seq.params.num_speculative_tokens
+        return self.default_k if k is None else k
+
+    # ---- the shared step ------------------------------------------------------------
+    def proposer_for(self, seq: Sequence) -> SharedStepDecoder:
+        name = seq.params.decoder or self.name
+        proposer = self._proposers.get(name)
+        if proposer is None:
+            proposer = self.context.plugin_manager.get("decoder", name).factory(None, self.context)
+            if not isinstance(proposer, SharedStepDecoder):
+                raise TypeError(f"decoder {name!r} cannot be chosen per request: it does not share the step")
+            self._proposers[name] = proposer
+        return proposer
+
+    def step(self, batch: Batch) -> DecoderOutput:
+        proposers = {seq: self.proposer_for(seq) for seq in batch.seqs}
+        need_hidden = any(p.needs_hidden for p in proposers.values())
+        fwd = self.runner.forward(batch, return_hidden=need_hidden)
+        if fwd.logits is None:
+            return {}
+        drafts_of = dict(zip(batch.seqs, batch.draft_tokens or [[]] * len(batch.seqs), strict=True))
+        drafts = [drafts_of[seq] for seq in fwd.seqs]
+        outs: list[SequenceOutput] = verify(self.runner.sampler, fwd.logits, fwd.seqs, fwd.num_rows, drafts)
+        result: DecoderOutput = dict(zip(fwd.seqs, outs, strict=True))
+        by_proposer: dict[SharedStepDecoder, list[Sequence]] = defaultdict(list)
+        for seq, out in result.items():
+            proposer = proposers[seq]
+            c = self._counters[proposer.name]
+            c["steps"] += 1
+            c["drafted"] += out.num_drafted
+            c["accepted"] += out.num_accepted
+            c["emitted"] += len(out.token_ids)
+            by_proposer[proposer].append(seq)
+        for proposer, seqs in by_proposer.items():
+            if len(result) > proposer.max_batch:
+                for seq in seqs:
+                    seq.draft_token_ids = []
+                self._counters[proposer.name]["skipped"] += len(seqs)
+            else:
+                proposer.propose(seqs, result, fwd)
+        return result
+
+    def release(self, seq: Sequence) -> None:
+        seq.draft_token_ids = []
+        self.runner.sampler.forget(seq)
+        for proposer in self._proposers.values():
+            proposer.release_state(seq)
+
+    def release_state(self, seq: Sequence) -> None:
+        """Drop what this decoder keeps per sequence (a draft model's KV, ...)."""
+
+    def stats(self) -> dict[str, float]:
+        """Per decoder name: steps, drafted, accepted, emitted, skipped (proposals switched
+        off by batch size), acceptance rate and mean tokens per step."""
+        out: dict[str, float] = {}
+        for name, c in sorted(self._counters.items()):
+            for key, value in c.items():
+                out[f"{name}_{key}"] = value
+            if c["drafted"]:
+                out[f"{name}_acceptance_rate"] = c["accepted"] / c["drafted"]
+            if c["steps"]:
+                out[f"{name}_tokens_per_step"] = c["emitted"] / c["steps"]
+        return out
