@@ -38,7 +38,8 @@ class SharedStepDecoder:
         self.options = options
         self.context = context
         self.runner = context.runner
-        self._proposers: dict[str, SharedStepDecoder] = {self.name: self}
+        # Requests name decoders as the registry does: the configured one is this object.
+        self._proposers: dict[str, SharedStepDecoder] = {self.name: self, context.config.decoder.name: self}
         self._counters: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(
             ("steps", "drafted", "accepted", "emitted", "skipped"), 0))
 
@@ -53,6 +54,12 @@ class SharedStepDecoder:
     def num_speculative_tokens(self, seq: Sequence) -> int:
         k = seq.params.num_speculative_tokens
         return self.default_k if k is None else k
+
+    def verify_drafts(self, forward: ForwardOutput, drafts: list[list[int]]) -> list[SequenceOutput]:
+        """New tokens for each sampling sequence of ``forward`` (which ran ``drafts``):
+        chain rejection sampling (plugins/decoders/verify.py). The engine's configured
+        decoder verifies every sequence of the batch."""
+        return verify(self.runner.sampler, forward.logits, forward.seqs, forward.num_rows, drafts)
 
     # ---- the shared step ------------------------------------------------------------
     def proposer_for(self, seq: Sequence) -> SharedStepDecoder:
@@ -73,7 +80,7 @@ class SharedStepDecoder:
             return {}
         drafts_of = dict(zip(batch.seqs, batch.draft_tokens or [[]] * len(batch.seqs), strict=True))
         drafts = [drafts_of[seq] for seq in fwd.seqs]
-        outs: list[SequenceOutput] = verify(self.runner.sampler, fwd.logits, fwd.seqs, fwd.num_rows, drafts)
+        outs = self.verify_drafts(fwd, drafts)
         result: DecoderOutput = dict(zip(fwd.seqs, outs, strict=True))
         by_proposer: dict[SharedStepDecoder, list[Sequence]] = defaultdict(list)
         for seq, out in result.items():

@@ -88,7 +88,7 @@ def accept_chain(p: torch.Tensor, drafts: list[int], q: torch.Tensor | None, gen
     for i, d in enumerate(drafts):
         pd = float(p[i, d])
         qd = 1.0 if q is None else float(q[i, d])
-        keep = pd >= qd or (gen is not None and _uniform(gen, p.device) * qd < pd)
+        keep = pd > 0 and (pd >= qd or (gen is not None and _uniform(gen, p.device) * qd < pd))
         if keep:
             out.append(d)
             continue

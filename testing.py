@@ -1,0 +1,235 @@
+"""A conformance kit for decoder plugins, third-party ones included: ``tokenloom.testing``.
+
+A decoder may change how fast tokens come, never which tokens (greedy) or with what
+probability (sampled). :func:`check_decoder` runs three checks on an engine:
+
+1. **greedy**: every prompt's greedy output is token-identical to the ``standard`` decoder's;
+2. **distribution**: on a tiny-vocabulary model, the decoder's sampled tokens at several
+   positions follow the *exact* target distribution, computed from the model's logits with
+   the engine's own sampling rules (penalties, temperature, top-k/p, min-p), by a
+   chi-square goodness-of-fit test over thousands of draws;
+3. **blocks**: when everything has finished, every KV block is back.
+
+Use it from pytest::
+
+    from tokenloom.testing import check_decoder, make_tiny_model
+
+    def test_my_decoder(tmp_path):
+        model = make_tiny_model(tmp_path / "tiny")
+        check_decoder("my-decoder", model_dir=model, plugins=[MyPlugin()])
+
+The tiny model (:func:`make_tiny_model`) is a random LLaMA in the Hugging Face layout with a
+vocabulary of a dozen tokens, so a few thousand draws pin the distribution down. Its prompt
+(:data:`KIT_PROMPT`) repeats a pattern, so a prompt-lookup decoder finds drafts to verify.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["KIT_PROMPT", "KIT_SAMPLING", "ConformanceError", "check_blocks_back", "check_decoder",
+           "check_distribution", "check_greedy_identical", "chi_square", "exact_marginals", "make_tiny_model"]
+
+#: every token but EOS, twice: a drafter that copies from the context finds a match after any token
+KIT_PROMPT = [*range(11), *range(11), 0, 1, 2]
+#: sampling settings the distribution check runs: plain, and every filter and penalty at once
+KIT_SAMPLING: tuple[dict[str, Any], ...] = (
+    {"temperature": 1.0},
+    {"temperature": 0.8, "top_k": 8, "top_p": 0.95, "min_p": 0.02, "repetition_penalty": 1.3,
+     "frequency_penalty": 0.2},
+)
+
+
+class ConformanceError(AssertionError):
+    """A decoder changed the output (greedy tokens, a sampled distribution) or leaked blocks."""
+
+
+def make_tiny_model(path: str | Path, *, vocab_size: int = 12, seed: int = 0, num_layers: int = 2,
+                    hidden_size: int = 32, logit_scale: float = 3.0) -> Path:
+    """Write a random LLaMA (config.json, model.safetensors, a word-level tokenizer.json of
+    ``vocab_size`` tokens ``t0``..; the last one is EOS) to ``path``; returns the path.
+    ``logit_scale`` multiplies the output head so the distributions are far from uniform."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, ffn = 4, 2, hidden_size * 2
+    head_dim = hidden_size // heads
+
+    def rand(*shape, scale=None):
+        return torch.randn(*shape, generator=g) * (scale if scale is not None else shape[-1] ** -0.5)
+
+    sd = {"model.embed_tokens.weight": rand(vocab_size, hidden_size, scale=1.0),
+          "model.norm.weight": torch.ones(hidden_size),
+          "lm_head.weight": rand(vocab_size, hidden_size) * logit_scale}
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        sd.update({p + "input_layernorm.weight": torch.ones(hidden_size),
+                   p + "post_attention_layernorm.weight": torch.ones(hidden_size),
+                   p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden_size),
+                   p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden_size),
+                   p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden_size),
+                   p + "self_attn.o_proj.weight": rand(hidden_size, heads * head_dim),
+                   p + "mlp.gate_proj.weight": rand(ffn, hidden_size),
+                   p + "mlp.up_proj.weight": rand(ffn, hidden_size),
+                   p + "mlp.down_proj.weight": rand(hidden_size, ffn)})
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size,
+        "hidden_size": hidden_size, "intermediate_size": ffn, "num_hidden_layers": num_layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 256, "tie_word_embeddings": False,
+        "bos_token_id": None, "eos_token_id": vocab_size - 1}))
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"t{vocab_size - 1}"}))
+    return path
+
+
+def chi_square(counts: Seq[int], probs: Seq[float], min_expected: float = 5.0) -> tuple[float, int, float]:
+    """Pearson's goodness-of-fit test of ``counts`` against ``probs``: (statistic, degrees of
+    freedom, p-value). Cells expected below ``min_expected`` are pooled into one. An observed
+    count in a cell of probability 0 gives p-value 0."""
+    n = sum(counts)
+    if any(c > 0 and p <= 0 for c, p in zip(counts, probs, strict=True)):
+        return math.inf, 0, 0.0
+    cells, pooled_c, pooled_e = [], 0, 0.0
+    for c, p in zip(counts, probs, strict=True):
+        if n * p >= min_expected:
+            cells.append((c, n * p))
+        elif p > 0:
+            pooled_c, pooled_e = pooled_c + c, pooled_e + n * p
+    if pooled_e > 0:
+        cells.append((pooled_c, pooled_e))
+    stat = sum((c - e) ** 2 / e for c, e in cells)
+    dof = len(cells) - 1
+    if dof <= 0:
+        return stat, 0, 1.0
+    pvalue = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                           torch.tensor(stat / 2, dtype=torch.float64)))
+    return stat, dof, pvalue
+
+
+def exact_marginals(llm, prompt: list[int], params, depth: int) -> list[torch.Tensor]:
+    """The exact law of each of the first ``depth`` generated tokens under ``params`` (the
+    engine's own sampling rules, history-dependent penalties included), by enumerating every
+    path (``vocab ** (depth - 1)`` prefills: keep the vocabulary tiny)."""
+    from tokenloom.plugins.decoders.verify import RowContext, target_probs
+
+    engine = llm.engine
+    runner, cache = engine.runner, engine.cache
+    from tokenloom.core.sampling_params import SamplingParams
+    from tokenloom.core.sequence import Sequence
+
+    def next_probs(ids: list[int]) -> torch.Tensor:
+        seq = Sequence("exact", list(ids), SamplingParams(max_tokens=1))
+        if not cache.allocate(seq, len(ids)):
+            raise RuntimeError("the KV cache cannot hold the kit's prompt")
+        try:
+            logits = engine.call_in_step_thread(runner.prefill_logits, ids, cache.block_table(seq))[-1:]
+        finally:
+            cache.free(seq)
+        row = RowContext(params, list(ids), len(prompt), -1)
+        return target_probs(runner.sampler, logits.float(), [row])[0].double()
+
+    marginals = []
+    frontier = [(list(prompt), 1.0)]
+    for _ in range(depth):
+        law = None
+        nxt = []
+        for ids, weight in frontier:
+            p = next_probs(ids)
+            law = p * weight if law is None else law + p * weight
+            nxt.extend((ids + [t], weight * float(p[t])) for t in torch.nonzero(p > 0).flatten().tolist())
+        marginals.append(law)
+        frontier = nxt
+    return marginals
+
+
+def check_greedy_identical(llm, decoder: str, prompts: Seq[list[int] | str], max_tokens: int = 32) -> None:
+    """Greedy output of ``decoder`` equals ``standard``'s token for token, for every prompt."""
+    from tokenloom.core.sampling_params import SamplingParams
+
+    base = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    want = llm.generate(list(prompts), msgspec_replace(base, decoder="standard"))
+    got = llm.generate(list(prompts), msgspec_replace(base, decoder=decoder))
+    for i, (a, b) in enumerate(zip(want, got, strict=True)):
+        if a.token_ids != b.token_ids:
+            first = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)) if x != y),
+                         min(len(a.token_ids), len(b.token_ids)))
+            raise ConformanceError(f"greedy: decoder {decoder!r} differs from standard on prompt {i} at "
+                                   f"token {first}: {b.token_ids[first:first + 5]} vs {a.token_ids[first:first + 5]}")
+
+
+def check_distribution(llm, decoder: str, *, prompt: list[int] = KIT_PROMPT, sampling: dict | None = None,
+                       draws: int = 3000, depth: int = 3, alpha: float = 1e-4) -> list[float]:
+    """Sample ``draws`` completions of ``depth`` tokens with ``decoder``; each position's
+    empirical law must pass a chi-square test against the exact law at level ``alpha``
+    (Bonferroni over positions). Returns the p-values."""
+    from tokenloom.core.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=depth, ignore_eos=True, decoder=decoder, **(sampling or {"temperature": 1.0}))
+    exact = exact_marginals(llm, prompt, params, depth)
+    # Generate past ``depth``: a decoder may not draft beyond max_tokens, and the positions
+    # checked should be ones it drafted for.
+    outs = llm.generate([list(prompt)] * draws, msgspec_replace(params, max_tokens=depth + 8))
+    vocab = exact[0].numel()
+    pvalues = []
+    for pos in range(depth):
+        counts = torch.bincount(torch.tensor([o.token_ids[pos] for o in outs]), minlength=vocab).tolist()
+        stat, dof, pvalue = chi_square(counts, exact[pos].tolist())
+        pvalues.append(pvalue)
+        if pvalue < alpha / depth:
+            raise ConformanceError(
+                f"distribution: decoder {decoder!r}, token {pos + 1}, sampling {sampling or 'temperature 1'}: "
+                f"chi-square {stat:.1f} on {dof} dof, p = {pvalue:.2e} over {draws} draws; "
+                f"observed {counts}, expected {[round(float(p) * draws, 1) for p in exact[pos]]}")
+    return pvalues
+
+
+def check_blocks_back(llm) -> None:
+    stats = llm.engine.cache.stats()
+    if stats.num_used_blocks:
+        raise ConformanceError(f"blocks: {stats.num_used_blocks} KV blocks still used after every request ended")
+    llm.engine.cache.check_integrity()
+
+
+def check_decoder(decoder: str, *, model_dir: str | Path, plugins: Seq[Any] = (), decoder_options: dict | None = None,
+                  greedy_prompts: Seq[list[int]] | None = None, draws: int = 2000, depth: int = 3,
+                  sampling: Seq[dict[str, Any]] = KIT_SAMPLING) -> dict[str, Any]:
+    """All three checks for ``decoder`` on the model at ``model_dir`` (e.g. from
+    :func:`make_tiny_model`), with ``plugins`` registered (the decoder's own package, for a
+    third party). ``decoder_options`` configure it (``[decoder]`` keys). Raises
+    :class:`ConformanceError`; returns the distribution p-values per sampling setting."""
+    from tokenloom import LLM
+    from tokenloom.core.plugins import PluginManager
+
+    pm = PluginManager(load_entry_points=False, extra=list(plugins))
+    flags = {"model": str(model_dir), "dtype": "float32", "device": "cpu", "num_kv_blocks": 512, "block_size": 16,
+             "decoder": {"name": decoder, **(decoder_options or {})}, "scheduler": {"max_num_seqs": 8}}
+    prompts = greedy_prompts or [KIT_PROMPT, KIT_PROMPT[:7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7] * 9]
+    report: dict[str, Any] = {}
+    with LLM(flags=flags, plugin_manager=pm) as llm:
+        check_greedy_identical(llm, decoder, prompts)
+        check_blocks_back(llm)
+        for i, s in enumerate(sampling):
+            report[f"sampling_{i}"] = check_distribution(llm, decoder, sampling=s, draws=draws, depth=depth)
+            check_blocks_back(llm)
+        report["stats"] = {k: v for k, v in llm.engine.stats().items() if k.startswith("decoder_")}
+    return report
+
+
+def msgspec_replace(params, **changes):
+    import msgspec
+
+    return msgspec.structs.replace(params, **changes)

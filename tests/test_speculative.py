@@ -1,0 +1,185 @@
+"""Speculative decoding end to end: the multi-token step contract (lookahead slots, drafts
+in the batch, the engine advancing by accepted tokens), the `ngram` decoder against the
+conformance kit, per-request decoders in one batch, and nothing lost on preemption or abort."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from tokenloom.core.errors import ClientError
+from tokenloom.core.hookspecs import hookimpl
+from tokenloom.core.interfaces import SequenceOutput
+from tokenloom.core.sampling_params import SamplingParams
+from tokenloom.core.sequence import Sequence
+from tokenloom.plugins.decoders.ngram import NgramDecoder, NgramOptions, lookup
+from tokenloom.testing import ConformanceError, check_decoder, make_tiny_model
+
+from conftest import tiny_engine_kwargs
+
+
+@pytest.fixture(scope="module")
+def kit_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("kit") / "tiny")
+
+
+def test_ngram_lookup_takes_the_latest_longest_match():
+    t = np.array([5, 1, 2, 3, 9, 1, 2, 3, 7, 8, 4, 1, 2, 3])
+    assert lookup(t, 3, 4, 1) == [7, 8, 4]  # "1 2 3" last seen before 7 8 4
+    assert lookup(t, 5, 4, 1) == [7, 8, 4, 1, 2]
+    assert lookup(np.array([1, 2, 3, 4]), 3, 4, 1) == []  # no token recurs
+    assert lookup(np.array([4, 6, 1, 2, 4]), 2, 4, 2) == []  # only a 1-gram recurs, min is 2
+    assert lookup(np.array([4, 6, 1, 2, 4]), 2, 4, 1) == [6, 1]
+
+
+def test_ngram_passes_the_conformance_kit(kit_model):
+    report = check_decoder("ngram", model_dir=kit_model, decoder_options={"prompt_lookup_min": 1})
+    stats = report["stats"]
+    # Both branches of the rule ran many times: accepted drafts and rejections.
+    assert stats["decoder_ngram_drafted"] > 10_000 and 1_000 < stats["decoder_ngram_accepted"] < stats[
+        "decoder_ngram_drafted"]
+
+
+class LossyPlugin:
+    """A decoder that keeps a draft whenever the target gives it probability > 5%:
+    greedy output is unchanged (a one-hot target gives 0 or 1), sampled output is not."""
+
+    @hookimpl
+    def register_decoders(self, register):
+        class LossyDecoder(NgramDecoder):
+            name = "lossy"
+
+            def verify_drafts(self, forward, drafts):
+                from tokenloom.plugins.decoders.verify import row_contexts, target_probs
+
+                outs, at = [], 0
+                for seq, k, d in zip(forward.seqs, forward.num_rows, drafts, strict=True):
+                    p = target_probs(self.runner.sampler, forward.logits[at:at + k], row_contexts(seq, d))
+                    at += k
+                    toks = []
+                    for i, tok in enumerate(d):
+                        if float(p[i, tok]) <= 0.05:
+                            break
+                        toks.append(tok)
+                    row = p[len(toks)]
+                    gen = self.runner.sampler._generator_for(seq)
+                    nxt = int(row.argmax()) if seq.params.greedy else int(torch.multinomial(row, 1, generator=gen))
+                    outs.append(SequenceOutput(toks + [nxt], num_accepted=len(toks), num_drafted=len(d)))
+                return outs
+
+        register("lossy", LossyDecoder, options=NgramOptions, description="verification that keeps likely-enough drafts (tests)")
+
+
+def test_a_lossy_decoder_fails_the_kit_on_distribution_not_greedy(kit_model):
+    with pytest.raises(ConformanceError, match="distribution: decoder 'lossy'"):
+        check_decoder("lossy", model_dir=kit_model, plugins=[LossyPlugin()], decoder_options={"prompt_lookup_min": 1})
+
+
+def test_lookahead_allocation_in_every_cache_manager(make_llm):
+    for manager in ("paged", "radix", "contiguous"):
+        llm = make_llm(cache_manager=manager, num_kv_blocks=16, block_size=4)
+        cache = llm.engine.cache
+        seq = Sequence("s", list(range(6)), SamplingParams(max_tokens=20))
+        assert cache.allocate(seq, 6)
+        seq.num_computed_tokens = 6
+        seq.token_ids.append(9)
+        assert cache.allocate(seq, 1, num_lookahead=5)  # 6 + 1 + 5 = 12 slots: 3 blocks of 4
+        assert len(cache.block_table(seq)) >= 3
+        assert cache.stats().num_tokens_stored <= 7  # lookahead slots are reserved, not stored tokens
+        cache.free(seq)
+        assert cache.stats().num_used_blocks == 0, manager
+
+
+def test_mixed_batch_gives_each_request_its_tokens_alone(make_llm):
+    prompts = ["abcabcabcabc", "hello hello hello", "xyz", "the cat the cat the"]
+    params = [SamplingParams(temperature=0, max_tokens=24, decoder="ngram", ignore_eos=True),
+              SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=24, decoder="ngram", ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=11, max_tokens=24, decoder="ngram",
+                             num_speculative_tokens=3, repetition_penalty=1.2, ignore_eos=True)]
+    llm = make_llm(decoder={"name": "standard"})
+    together = llm.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, together, strict=True):
+        alone = llm.generate([prompt], p)[0]
+        assert alone.token_ids == out.token_ids, prompt
+    assert sum(o.metrics.num_draft_tokens for o in together) > 0
+    assert llm.engine.cache.stats().num_used_blocks == 0
+
+
+def test_unknown_decoder_is_refused_naming_the_known_ones(make_llm):
+    llm = make_llm()
+    with pytest.raises(ClientError) as info:
+        llm.generate(["hi"], SamplingParams(decoder="medusa-nope"))
+    assert info.value.param == "decoder" and "ngram" in str(info.value) and "standard" in str(info.value)
+    with pytest.raises(ClientError) as info:
+        SamplingParams(num_speculative_tokens=99).validate()
+    assert info.value.param == "num_speculative_tokens"
+
+
+def test_preemption_mid_speculation_loses_nothing(make_llm):
+    # 24 blocks of 4 tokens for 6 sequences of up to 60 tokens: preemption is certain.
+    llm = make_llm(num_kv_blocks=24, block_size=4, decoder={"name": "ngram", "prompt_lookup_min": 1})
+    prompts = ["ab" * 8 + str(i) for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert all(len(o.token_ids) == 40 and o.finish_reason == "length" for o in outs)
+    assert llm.engine.stats()["preemptions"] > 0
+    assert llm.engine.cache.stats().num_used_blocks == 0
+    llm.engine.cache.check_integrity()
+    ref = make_llm(num_kv_blocks=256)  # same greedy tokens as a roomy, standard engine
+    assert [o.token_ids for o in ref.generate(prompts, params)] == [o.token_ids for o in outs]
+
+
+async def test_abort_mid_speculation_ends_every_stream_once(tiny_model_dir):
+    from tokenloom.core.engine import AsyncEngine
+    from tokenloom.core.outputs import Finished
+
+    engine = AsyncEngine.from_options(**tiny_engine_kwargs(tiny_model_dir, decoder={"name": "ngram", "prompt_lookup_min": 1}))
+    try:
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        reqs = [engine.submit("ab" * 10 + str(i), params) for i in range(4)]
+        finals: dict[str, list] = {r.seq.request_id: [] for r in reqs}
+
+        async def drain(req, abort_after):
+            n = 0
+            async for item in engine.stream(req):
+                if isinstance(item, Finished):
+                    finals[req.seq.request_id].append(item)
+                else:
+                    n += len(item.token_ids)
+                    if abort_after and n >= abort_after:
+                        engine.abort(req.seq.request_id)
+
+        await asyncio.gather(*(drain(r, 10 if i % 2 else 0) for i, r in enumerate(reqs)))
+        assert all(len(f) == 1 for f in finals.values())
+        reasons = sorted(f[0].finish_reason for f in finals.values())
+        assert reasons == ["aborted", "aborted", "length", "length"]
+        assert engine.cache.stats().num_used_blocks == 0
+        assert engine.stats()["decoder_ngram_drafted"] > 0
+    finally:
+        await engine.shutdown()
+        engine.close()
+
+
+@pytest.mark.slow
+def test_ngram_greedy_identical_on_the_embedded_model():
+    from tokenloom import LLM
+
+    passage = ("The river rose in the night, and by morning the lower town was under water. The mayor "
+               "opened the school on the hill to anyone who needed a dry floor and a blanket.")
+    messages = [[{"role": "user", "content": f"Rewrite this passage in the past perfect tense:\n\n{passage}"}],
+                [{"role": "user", "content": f"Summarise in one sentence:\n\n{passage}"}],
+                [{"role": "user", "content": "What is the capital of France?"}],
+                [{"role": "user", "content": "Write a Python function that reverses a list."}]]
+    # fp32, dequantised: a verification forward runs several rows where plain decoding runs
+    # one, and with the 4-bit kernel's bfloat16 activations that alone can flip a near-tie.
+    with LLM(dtype="float32", quantizer="none") as llm:
+        base = SamplingParams(temperature=0, max_tokens=64)
+        want = llm.generate(messages=messages, params=base)
+        got = llm.generate(messages=messages, params=SamplingParams(temperature=0, max_tokens=64, decoder="ngram"))
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert sum(o.metrics.num_accepted_tokens for o in got) > 20
+        assert llm.engine.cache.stats().num_used_blocks == 0
