@@ -90,6 +90,8 @@ class MetricsOut(msgspec.Struct, frozen=True, kw_only=True):
     ttft_ms: float | None
     tpot_ms: float | None
     e2e_ms: float
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified, and accepted
+    num_accepted_tokens: int = 0
 
 
 class Done(msgspec.Struct, tag="done", frozen=True, kw_only=True):

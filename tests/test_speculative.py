@@ -183,3 +183,21 @@ def test_ngram_greedy_identical_on_the_embedded_model():
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
         assert sum(o.metrics.num_accepted_tokens for o in got) > 20
         assert llm.engine.cache.stats().num_used_blocks == 0
+
+
+async def test_decoder_is_chosen_per_request_over_the_websocket(make_server):
+    from conftest import collect
+
+    from tokenloom.protocols.client import Client, RequestError
+
+    server, url = await make_server()
+    async with Client(url) as client:
+        params = {"temperature": 0, "max_tokens": 30, "ignore_eos": True}
+        text, done, _ = await collect(client, "abcabcabcabcabc", params=params)
+        text2, done2, _ = await collect(client, "abcabcabcabcabc", params={**params, "decoder": "ngram",
+                                                                           "num_speculative_tokens": 4})
+        assert text2 == text and done2.metrics.num_draft_tokens > 0 and done.metrics.num_draft_tokens == 0
+        assert 0 <= done2.metrics.num_accepted_tokens <= done2.metrics.num_draft_tokens
+        with pytest.raises(RequestError) as info:
+            await collect(client, "x", params={"decoder": "nope"})
+        assert info.value.param == "decoder"

@@ -41,7 +41,7 @@ class SharedStepDecoder:
         # Requests name decoders as the registry does: the configured one is this object.
         self._proposers: dict[str, SharedStepDecoder] = {self.name: self, context.config.decoder.name: self}
         self._counters: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(
-            ("steps", "drafted", "accepted", "emitted", "skipped"), 0))
+            ("steps", "drafting_steps", "drafted", "accepted", "emitted", "skipped"), 0))
 
     # ---- what a subclass changes ----------------------------------------------------
     def propose(self, seqs: list[Sequence], outputs: DecoderOutput, forward: ForwardOutput) -> None:
@@ -87,6 +87,7 @@ class SharedStepDecoder:
             proposer = proposers[seq]
             c = self._counters[proposer.name]
             c["steps"] += 1
+            c["drafting_steps"] += out.num_drafted > 0
             c["drafted"] += out.num_drafted
             c["accepted"] += out.num_accepted
             c["emitted"] += len(out.token_ids)
@@ -110,8 +111,9 @@ class SharedStepDecoder:
         """Drop what this decoder keeps per sequence (a draft model's KV, ...)."""
 
     def stats(self) -> dict[str, float]:
-        """Per decoder name: steps, drafted, accepted, emitted, skipped (proposals switched
-        off by batch size), acceptance rate and mean tokens per step."""
+        """Per decoder name, counted per sequence-step: steps, drafting_steps (steps that
+        verified drafts), drafted, accepted, emitted, skipped (proposals switched off by batch
+        size), acceptance rate and mean tokens per step."""
         out: dict[str, float] = {}
         for name, c in sorted(self._counters.items()):
             for key, value in c.items():

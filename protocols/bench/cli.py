@@ -50,6 +50,14 @@ def add_bench_parser(sub) -> None:
     qu.set_defaults(func=cmd_quant)
     _add_serve_bench(bsub)
 
+    sp = bsub.add_parser("spec", help="speculative decoders vs standard at batch 1: speed, acceptance, predicted")
+    sp.add_argument("--decoders", default="ngram", help="comma list of decoders to compare with standard")
+    sp.add_argument("--k", type=int, default=None, help="draft tokens per step (default: each decoder's own)")
+    sp.add_argument("--max-tokens", type=int, default=128)
+    sp.add_argument("--json", metavar="FILE")
+    add_engine_args(sp)
+    sp.set_defaults(func=cmd_spec)
+
     pe = bsub.add_parser("peers", help="the offline workload through tokenloom, llama.cpp and transformers")
     pe.add_argument("--num-requests", type=int, default=64)
     pe.add_argument("--prompt-len", default="32-512")
@@ -141,6 +149,11 @@ def cmd_offline(args: argparse.Namespace) -> int:
 
 def cmd_decode(args: argparse.Namespace) -> int:
     _report(args, "decode", "run_decode", "format_decode")
+    return 0
+
+
+def cmd_spec(args: argparse.Namespace) -> int:
+    _report(args, "spec", "run_spec", "format_spec")
     return 0
 
 

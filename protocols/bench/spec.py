@@ -1,0 +1,142 @@
+"""`tokenloom bench spec`: speculative decoders against `standard`, one request at a time
+(batch 1), greedy, on two kinds of task:
+
+- ``grounded``: rewrite or summarise a passage given in the prompt (passages from CPython's
+  ``pydoc_data.topics``), where the output copies its input and prompt lookup shines;
+- ``chat``: open questions, where nothing in the prompt predicts the answer.
+
+For each (decoder, task): decode tok/s (output tokens after the first over the time after
+the first token, summed over the task's requests), the speedup over `standard` on the same
+task, whether the greedy tokens equal `standard`'s, the acceptance rate ``a`` (accepted /
+drafted) and the mean draft length ``k`` per step that drafted.
+
+**Predicted speedup** (Leviathan et al. 2023, eq. 1 and theorem 3.8): with an i.i.d.
+acceptance rate ``a`` and ``k`` drafts, a step emits ``E = (1 - a^(k+1)) / (1 - a)`` tokens
+in expectation; if a step costs ``c`` times a plain decode step (drafting included; the
+n-gram drafter costs nothing, so ``c`` is the verification forward's extra rows), the
+speedup is ``E / c``. Here ``a`` and ``k`` are measured, and ``c`` is the mean decode step
+time (wall time after the first token over the steps after the prefill) over `standard`'s; ``k`` is the mean draft length of the steps that
+drafted, and steps that drafted nothing emit one token (``E`` is weighted by the share of
+steps that drafted). The table prints ``E`` beside the measured tokens per step.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tokenloom.core.config import merge_layers
+from tokenloom.core.plugins import PluginManager
+
+PROMPTS = {
+    "grounded": [
+        "Rewrite the following text, fixing any grammar mistakes and leaving everything else exactly as it "
+        "is:\n\n{passage}",
+        "Repeat the following documentation paragraph, replacing the word 'Python' by 'the language' "
+        "wherever it appears:\n\n{passage}",
+        "Summarise the following text, quoting its key sentences:\n\n{passage}",
+    ],
+    "chat": [
+        "What is the capital of France?",
+        "Give me three tips for writing clear emails.",
+        "Explain what a hash table is in two sentences.",
+    ],
+}
+
+
+def _passages(n: int, chars: int = 700) -> list[str]:
+    from tokenloom.core.evaluation import split_corpus
+
+    _, evaluation = split_corpus()
+    texts = [text.strip() for _, text in evaluation if len(text) > chars]
+    return [t[:chars].rsplit(" ", 1)[0] for t in texts[:n]]
+
+
+def task_messages() -> dict[str, list[list[dict]]]:
+    passages = _passages(len(PROMPTS["grounded"]))
+    grounded = [[{"role": "user", "content": p.format(passage=text)}]
+                for p, text in zip(PROMPTS["grounded"], passages, strict=True)]
+    chat = [[{"role": "user", "content": p}] for p in PROMPTS["chat"]]
+    return {"grounded": grounded, "chat": chat}
+
+
+def _expected_tokens(a: float, k: float) -> float:
+    if k <= 0:
+        return 1.0
+    if a >= 1.0:
+        return k + 1
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+def run_spec(args, flags: dict, pm: PluginManager) -> dict:
+    from tokenloom import LLM
+    from tokenloom.core.sampling_params import SamplingParams
+
+    decoders = ["standard"] + [d for d in args.decoders.split(",") if d and d != "standard"]
+    tasks = task_messages()
+    llm = LLM(config_file=args.config, flags=merge_layers(flags, {"scheduler": {"max_num_seqs": 1}}), plugin_manager=pm)
+    rows = []
+    try:
+        llm.generate(["warm up"], SamplingParams(temperature=0, max_tokens=8))
+        engine = llm.engine
+        for task, messages in tasks.items():
+            base_tokens = None
+            for dec in decoders:
+                params = SamplingParams(temperature=0, max_tokens=args.max_tokens, decoder=dec,
+                                        num_speculative_tokens=args.k)
+                stats0 = engine.decoder.stats()
+                outs, decode_s, decode_tokens = [], 0.0, 0
+                for m in messages:  # one at a time: batch 1
+                    t0 = time.perf_counter()
+                    out = llm.generate(messages=[m], params=params)[0]
+                    wall = time.perf_counter() - t0
+                    outs.append(out)
+                    ttft = (out.metrics.ttft_ms or 0) / 1e3
+                    decode_s += max(wall - ttft, 1e-9)
+                    decode_tokens += max(len(out.token_ids) - 1, 0)
+                stats = engine.decoder.stats()
+                delta = {key: stats.get(key, 0) - stats0.get(key, 0) for key in stats}
+                drafted, accepted = delta.get(f"{dec}_drafted", 0), delta.get(f"{dec}_accepted", 0)
+                seq_steps = delta.get(f"{dec}_steps", 0)
+                drafting = delta.get(f"{dec}_drafting_steps", 0)
+                tokens = [o.token_ids for o in outs]
+                base_tokens = base_tokens or tokens
+                rows.append({
+                    "task": task, "decoder": dec, "requests": len(outs), "decode_tokens": decode_tokens,
+                    "decode_tok_s": decode_tokens / decode_s,
+                    # decode steps only: each request's first step is its prefill
+                    "step_ms": 1e3 * decode_s / max(seq_steps - len(outs), 1),
+                    "drafted": drafted, "accepted": accepted, "steps": seq_steps, "drafting_steps": drafting, "acceptance": accepted / drafted if drafted else None,
+                    "tokens_per_step": delta.get(f"{dec}_emitted", 0) / seq_steps if seq_steps else None,
+                    "same_tokens_as_standard": tokens == base_tokens,
+                })
+    finally:
+        llm.close()
+    for task in tasks:
+        base = next(r for r in rows if r["task"] == task and r["decoder"] == "standard")
+        for r in rows:
+            if r["task"] != task:
+                continue
+            r["speedup"] = r["decode_tok_s"] / base["decode_tok_s"]
+            r["cost_ratio"] = r["step_ms"] / base["step_ms"]
+            expected = 1.0
+            if r["drafted"]:
+                k = r["mean_k"] = r["drafted"] / r["drafting_steps"]
+                share = r["drafting_steps"] / r["steps"]
+                expected = share * _expected_tokens(r["acceptance"], k) + (1 - share)
+            r["predicted_tokens_per_step"] = expected
+            r["predicted_speedup"] = expected / r["cost_ratio"]
+    return {"k": args.k, "max_tokens": args.max_tokens, "rows": rows}
+
+
+def format_spec(report: dict) -> str:
+    lines = [f"batch 1, greedy, max_tokens {report['max_tokens']}, K = {report['k']}", "",
+             "| task | decoder | decode tok/s | speedup | predicted | step ms | cost ratio | acceptance | "
+             "tokens/step (predicted) | same tokens |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in report["rows"]:
+        acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
+        tps = f"{r['tokens_per_step']:.2f} ({r['predicted_tokens_per_step']:.2f})" if r["tokens_per_step"] else "-"
+        lines.append(f"| {r['task']} | {r['decoder']} | {r['decode_tok_s']:.1f} | {r['speedup']:.2f}x | "
+                     f"{r['predicted_speedup']:.2f}x | {r['step_ms']:.2f} | {r['cost_ratio']:.2f} | {acc} | {tps} | "
+                     f"{'yes' if r['same_tokens_as_standard'] else 'no'} |")
+    return "\n".join(lines)
