@@ -186,9 +186,9 @@ def test_ngram_greedy_identical_on_the_embedded_model():
 
 
 async def test_decoder_is_chosen_per_request_over_the_websocket(make_server):
-    from conftest import collect
-
     from tokenloom.protocols.client import Client, RequestError
+
+    from conftest import collect
 
     server, url = await make_server()
     async with Client(url) as client:
