@@ -161,6 +161,10 @@ class DecoderContext:
     model_config: Any
     cache: CacheManager
     runner: Any  # the ModelRunner: forward, sampler, model
+    # load_model(model=None, quantizer=None, dtype="auto", num_kv_blocks=512, num_layers=None)
+    # -> core.build.SecondModel: a second checkpoint (a draft) with its own KV pool and cache
+    # manager, on the engine's device and backend. Call it on the step thread.
+    load_model: Any = None
 
 
 @dataclass(slots=True)

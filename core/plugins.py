@@ -37,6 +37,7 @@ BUILTIN_PLUGINS = (
     "tokenloom.plugins.cache.radix",
     "tokenloom.plugins.decoders.standard",
     "tokenloom.plugins.decoders.ngram",
+    "tokenloom.plugins.decoders.speculative",
     "tokenloom.plugins.quantizers.native",
     "tokenloom.plugins.quantizers.online",
     "tokenloom.plugins.quantizers.packed",

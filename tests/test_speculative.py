@@ -43,6 +43,16 @@ def test_ngram_passes_the_conformance_kit(kit_model):
         "decoder_ngram_drafted"]
 
 
+def test_speculative_passes_the_conformance_kit(kit_model):
+    # A one-layer draft of the two-layer model: a different distribution, so drafts drawn from
+    # q are rejected often and the residual path runs.
+    report = check_decoder("speculative", model_dir=kit_model,
+                           decoder_options={"draft_num_layers": 1, "draft_quantizer": "none", "max_batch": 8})
+    stats = report["stats"]
+    assert stats["decoder_speculative_drafted"] > 5_000
+    assert 0.1 < stats["decoder_speculative_acceptance_rate"] < 0.95
+
+
 class LossyPlugin:
     """A decoder that keeps a draft whenever the target gives it probability > 5%:
     greedy output is unchanged (a one-hot target gives 0 or 1), sampled output is not."""
@@ -52,7 +62,7 @@ class LossyPlugin:
         class LossyDecoder(NgramDecoder):
             name = "lossy"
 
-            def verify_drafts(self, forward, drafts):
+            def verify_drafts(self, forward, drafts, draft_probs):
                 from tokenloom.plugins.decoders.verify import row_contexts, target_probs
 
                 outs, at = [], 0
@@ -107,6 +117,24 @@ def test_mixed_batch_gives_each_request_its_tokens_alone(make_llm):
         assert alone.token_ids == out.token_ids, prompt
     assert sum(o.metrics.num_draft_tokens for o in together) > 0
     assert llm.engine.cache.stats().num_used_blocks == 0
+
+
+def test_speculative_mixed_batch_preemption_and_draft_blocks(make_llm):
+    """A request-chosen draft-model decoder beside standard and n-gram ones, under preemption:
+    the same greedy tokens as a roomy standard engine, and both KV pools empty afterwards."""
+    llm = make_llm(num_kv_blocks=24, block_size=4, decoder={"name": "speculative", "draft_num_layers": 1,
+                                                            "draft_quantizer": "none", "draft_num_kv_blocks": 64})
+    prompts = ["ab" * 8 + str(i) for i in range(6)]
+    names = ["speculative", "standard", "ngram", "speculative", "speculative", "standard"]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, decoder=n) for n in names]
+    outs = llm.generate(prompts, params)
+    assert llm.engine.stats()["preemptions"] > 0
+    ref = make_llm(num_kv_blocks=256).generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert sum(o.metrics.num_draft_tokens for o, n in zip(outs, names, strict=True) if n == "speculative") > 0
+    assert llm.engine.cache.stats().num_used_blocks == 0
+    assert llm.engine.decoder.draft.cache.stats().num_used_blocks == 0
+    llm.engine.decoder.draft.cache.check_integrity()
 
 
 def test_unknown_decoder_is_refused_naming_the_known_ones(make_llm):
@@ -165,7 +193,7 @@ async def test_abort_mid_speculation_ends_every_stream_once(tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_ngram_greedy_identical_on_the_embedded_model():
+def test_speculative_decoders_greedy_identical_on_the_embedded_model():
     from tokenloom import LLM
 
     passage = ("The river rose in the night, and by morning the lower town was under water. The mayor "
@@ -179,9 +207,10 @@ def test_ngram_greedy_identical_on_the_embedded_model():
     with LLM(dtype="float32", quantizer="none") as llm:
         base = SamplingParams(temperature=0, max_tokens=64)
         want = llm.generate(messages=messages, params=base)
-        got = llm.generate(messages=messages, params=SamplingParams(temperature=0, max_tokens=64, decoder="ngram"))
-        assert [o.token_ids for o in got] == [o.token_ids for o in want]
-        assert sum(o.metrics.num_accepted_tokens for o in got) > 20
+        for name in ("ngram", "speculative"):  # speculative: the same model, 4-bit, drafts
+            got = llm.generate(messages=messages, params=SamplingParams(temperature=0, max_tokens=64, decoder=name))
+            assert [o.token_ids for o in got] == [o.token_ids for o in want], name
+            assert sum(o.metrics.num_accepted_tokens for o in got) > 20, name
         assert llm.engine.cache.stats().num_used_blocks == 0
 
 

@@ -55,11 +55,16 @@ class SharedStepDecoder:
         k = seq.params.num_speculative_tokens
         return self.default_k if k is None else k
 
-    def verify_drafts(self, forward: ForwardOutput, drafts: list[list[int]]) -> list[SequenceOutput]:
-        """New tokens for each sampling sequence of ``forward`` (which ran ``drafts``):
-        chain rejection sampling (plugins/decoders/verify.py). The engine's configured
-        decoder verifies every sequence of the batch."""
-        return verify(self.runner.sampler, forward.logits, forward.seqs, forward.num_rows, drafts)
+    def draft_probs(self, seq: Sequence, k: int):
+        """``[k, V]``: the distributions ``seq``'s first k drafts were drawn from, or ``None``
+        when they were chosen deterministically (n-gram lookup, greedy drafting)."""
+        return None
+
+    def verify_drafts(self, forward: ForwardOutput, drafts: list[list[int]], draft_probs: list) -> list[SequenceOutput]:
+        """New tokens for each sampling sequence of ``forward`` (which ran ``drafts``, drawn
+        from ``draft_probs``): chain rejection sampling (plugins/decoders/verify.py). The
+        engine's configured decoder verifies every sequence of the batch."""
+        return verify(self.runner.sampler, forward.logits, forward.seqs, forward.num_rows, drafts, draft_probs)
 
     # ---- the shared step ------------------------------------------------------------
     def proposer_for(self, seq: Sequence) -> SharedStepDecoder:
@@ -80,7 +85,8 @@ class SharedStepDecoder:
             return {}
         drafts_of = dict(zip(batch.seqs, batch.draft_tokens or [[]] * len(batch.seqs), strict=True))
         drafts = [drafts_of[seq] for seq in fwd.seqs]
-        outs = self.verify_drafts(fwd, drafts)
+        qs = [proposers[seq].draft_probs(seq, len(d)) if d else None for seq, d in zip(fwd.seqs, drafts, strict=True)]
+        outs = self.verify_drafts(fwd, drafts, qs)
         result: DecoderOutput = dict(zip(fwd.seqs, outs, strict=True))
         by_proposer: dict[SharedStepDecoder, list[Sequence]] = defaultdict(list)
         for seq, out in result.items():
