@@ -109,7 +109,8 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager, progress=None) -
         config.cache_manager.options, num_blocks, e.block_size)
     scheduler = pm.get("scheduler", config.scheduler.name).factory(config.scheduler.options, cache, config)
     context = DecoderContext(config=config, plugin_manager=pm, model_config=mcfg, cache=cache, runner=runner,
-                             load_model=lambda **kw: load_second_model(config, pm, backend, device, **kw))
+                             load_model=lambda **kw: load_second_model(config, pm, backend, device, **kw),
+                             model_name=name)
     decoder = pm.get("decoder", config.decoder.name).factory(config.decoder.options, context)
     log.info("engine_built", model=name, format=ckpt.format, quantization=method, device=str(device), dtype=str(dtype),
              num_kv_blocks=num_blocks, block_size=e.block_size, max_model_len=max_model_len,

@@ -165,6 +165,7 @@ class DecoderContext:
     # -> core.build.SecondModel: a second checkpoint (a draft) with its own KV pool and cache
     # manager, on the engine's device and backend. Call it on the step thread.
     load_model: Any = None
+    model_name: str = ""  # the checkpoint's name (Medusa finds its heads by it)
 
 
 @dataclass(slots=True)

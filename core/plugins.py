@@ -38,6 +38,7 @@ BUILTIN_PLUGINS = (
     "tokenloom.plugins.decoders.standard",
     "tokenloom.plugins.decoders.ngram",
     "tokenloom.plugins.decoders.speculative",
+    "tokenloom.plugins.decoders.medusa",
     "tokenloom.plugins.quantizers.native",
     "tokenloom.plugins.quantizers.online",
     "tokenloom.plugins.quantizers.packed",

@@ -139,6 +139,13 @@ class ModelRunner:
         return ForwardOutput(self.model.compute_logits(picked), seqs, counts, picked if return_hidden else None)
 
     @torch.inference_mode()
+    def prefill_hidden(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
+        """Final hidden states (before the last norm) for every position of one prompt."""
+        seq = Sequence("score", list(token_ids), params=None)  # type: ignore[arg-type]
+        input_ids, positions, attn, *_ = self.prepare(Batch([seq], [len(token_ids)], [block_table]))
+        return self.model(input_ids, positions, self.kv_caches, self.backend.prepare(attn))
+
+    @torch.inference_mode()
     def prefill_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
         """Logits for every position of one prompt (tests and scoring)."""
         seq = Sequence("score", list(token_ids), params=None)  # type: ignore[arg-type]

@@ -62,11 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenloom.protocols.eval_cli import add_eval_parser
     from tokenloom.protocols.quantize_cli import add_quantize_parser
     from tokenloom.protocols.serve_cli import add_serve_parsers
+    from tokenloom.protocols.train_medusa_cli import add_train_medusa_parser
 
     add_serve_parsers(sub)
     add_bench_parser(sub)
     add_eval_parser(sub)
     add_quantize_parser(sub)
+    add_train_medusa_parser(sub)
     return parser
 
 

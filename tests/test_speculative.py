@@ -230,3 +230,64 @@ async def test_decoder_is_chosen_per_request_over_the_websocket(make_server):
         with pytest.raises(RequestError) as info:
             await collect(client, "x", params={"decoder": "nope"})
         assert info.value.param == "decoder"
+
+
+def _random_heads(path, num_heads: int, hidden: int, scale: float = 0.5):
+    from tokenloom.plugins.decoders.medusa import MedusaHeads
+
+    heads = MedusaHeads(num_heads, hidden)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        heads.weight.copy_(torch.randn(num_heads, hidden, hidden, generator=g) * scale / hidden ** 0.5)
+    heads.save(path, "tiny")
+    return path
+
+
+def test_medusa_passes_the_conformance_kit(kit_model, tmp_path):
+    heads = _random_heads(tmp_path / "heads.safetensors", 3, 32)
+    report = check_decoder("medusa", model_dir=kit_model, decoder_options={"heads": str(heads), "max_batch": 8})
+    stats = report["stats"]
+    assert stats["decoder_medusa_drafted"] > 5_000 and stats["decoder_medusa_accepted"] > 100
+
+
+def test_medusa_without_heads_says_how_to_make_them(make_llm, tmp_path):
+    from tokenloom.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="train-medusa"):
+        make_llm(decoder={"name": "medusa", "heads": str(tmp_path / "none.safetensors")})
+
+
+def test_training_medusa_heads_lowers_their_loss(make_llm, tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from tokenloom.plugins.decoders.medusa import MedusaHeads
+    from tokenloom.plugins.decoders.medusa_train import collect_features, train_heads
+
+    llm = make_llm()
+    prompts = [[(7 * i + j) % 200 + 30 for j in range(12)] for i in range(12)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    ids = [p + o.token_ids for p, o in zip(prompts, outs, strict=True)]
+    feats = collect_features(llm, ids, [len(p) for p in prompts], num_heads=2)
+    assert feats.x.shape == (12 * 23, 64) and feats.labels.shape == (12 * 23, 2)
+    assert int(feats.labels[0, 0]) == ids[0][len(prompts[0]) + 1]  # head 0 at the last prompt token: token p + 1
+    weight = load_file(tiny_model_dir / "model.safetensors")["lm_head.weight"].float()  # untied in the tiny model
+    heads, report = train_heads(feats, weight, 2, epochs=30, lr=3e-3, batch_size=64)
+    assert report["last_loss"] < 0.7 * report["first_loss"]
+    assert report["heldout_top1"][0] >= report["heldout_top1_untrained"][0]
+    heads.save(tmp_path / "h.safetensors", "tiny")
+    loaded = MedusaHeads.load(tmp_path / "h.safetensors", 64)
+    torch.testing.assert_close(loaded.weight, heads.weight.detach())
+
+
+def test_train_medusa_command_writes_heads_the_decoder_loads(tiny_model_dir, tmp_path):
+    from tokenloom import LLM
+    from tokenloom.protocols.cli import main
+
+    out = tmp_path / "heads.safetensors"
+    rc = main(["train-medusa", "--model", str(tiny_model_dir), "--dtype", "float32", "--num-heads", "2",
+               "--prompts", "6", "--max-tokens", "12", "--epochs", "1", "--out", str(out)])
+    assert rc == 0 and out.exists()
+    with LLM(**tiny_engine_kwargs(tiny_model_dir, decoder={"name": "medusa", "heads": str(out)})) as llm:
+        got = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+        assert got.metrics.num_draft_tokens > 0
+        assert llm.engine.cache.stats().num_used_blocks == 0

@@ -1,0 +1,149 @@
+"""`medusa`: extra decoding heads on the target's last hidden state propose the next tokens
+(Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple
+Decoding Heads", arXiv:2401.10774). No draft model: the heads run on the hidden state the
+verification forward already computed.
+
+Head ``i`` (0-based) reads the hidden state of the row that produced a step's last token
+``x`` and guesses the token ``i + 1`` places after ``x``: a residual block on the
+normalised state, ``h_i = x_n + SiLU(W_i x_n + b_i)`` with ``x_n = RMSNorm(h)``, then the
+model's own (frozen) output head. ``W_i`` and ``b_i`` start at zero, so an untrained head
+repeats the base model's guess; `tokenloom train-medusa` trains them by self-distillation.
+
+This version proposes a chain — each head's top-1 — verified like any other drafts, so the
+output distribution is exactly the target's. (Medusa's candidate *tree*, several top-k
+continuations verified in one forward with tree attention, is not built yet.)
+
+Heads live in a safetensors file (``medusa.{i}.weight``, ``medusa.{i}.bias``) whose
+metadata names the model they were trained for; by default
+``~/.cache/tokenloom/medusa/<model name>.safetensors``, where `train-medusa` writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import msgspec
+import torch
+
+from tokenloom.core.errors import ConfigError
+from tokenloom.core.hookspecs import hookimpl
+from tokenloom.core.interfaces import DecoderContext, DecoderOutput
+from tokenloom.core.runner import ForwardOutput
+from tokenloom.core.sampling_params import MAX_SPECULATIVE_TOKENS
+from tokenloom.core.sequence import Sequence
+from tokenloom.plugins.decoders.base import SharedStepDecoder
+
+
+def default_heads_path(model_name: str) -> Path:
+    root = Path(os.environ.get("TOKENLOOM_CACHE", Path.home() / ".cache" / "tokenloom"))
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name)
+    return root / "medusa" / f"{safe}.safetensors"
+
+
+class MedusaHeads(torch.nn.Module):
+    """``num_heads`` residual blocks ``x + SiLU(W x + b)`` over the normalised hidden state."""
+
+    def __init__(self, num_heads: int, hidden_size: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))
+        self.bias = torch.nn.Parameter(torch.zeros(num_heads, hidden_size))
+
+    @property
+    def num_heads(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [N, d]`` normalised hidden states -> ``[H, N, d]`` one per head."""
+        z = torch.einsum("nd,hed->hne", x, self.weight) + self.bias[:, None, :]
+        return x[None] + torch.nn.functional.silu(z)
+
+    def save(self, path: str | Path, model_name: str, meta: dict | None = None) -> None:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {}
+        for i in range(self.num_heads):
+            tensors[f"medusa.{i}.weight"] = self.weight[i].detach().float().contiguous()
+            tensors[f"medusa.{i}.bias"] = self.bias[i].detach().float().contiguous()
+        save_file(tensors, str(path), metadata={"model": model_name, "num_heads": str(self.num_heads),
+                                               "hidden_size": str(self.weight.shape[1]),
+                                               "tokenloom": json.dumps(meta or {})})
+
+    @classmethod
+    def load(cls, path: str | Path, hidden_size: int) -> MedusaHeads:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            n = int(meta.get("num_heads", 0))
+            if n < 1 or int(meta.get("hidden_size", -1)) != hidden_size:
+                raise ConfigError(f"{path}: Medusa heads for hidden size {meta.get('hidden_size')} "
+                                  f"({n} heads); this model's is {hidden_size}")
+            heads = cls(n, hidden_size)
+            with torch.no_grad():
+                for i in range(n):
+                    heads.weight[i].copy_(f.get_tensor(f"medusa.{i}.weight"))
+                    heads.bias[i].copy_(f.get_tensor(f"medusa.{i}.bias"))
+        return heads.eval().requires_grad_(False)
+
+
+def normalise(model, h: torch.Tensor) -> torch.Tensor:
+    """What the model's output head sees: the final RMSNorm of hidden states ``h``."""
+    return model.backend.rms_norm(h, model.norm, model.cfg.rms_norm_eps).float()
+
+
+class MedusaOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    heads: str | None = None  # safetensors file; default: default_heads_path(model name)
+    num_speculative_tokens: int | None = None  # default: every head
+    max_batch: int = 4
+
+
+class MedusaDecoder(SharedStepDecoder):
+    name = "medusa"
+    needs_hidden = True
+
+    def __init__(self, options: MedusaOptions | None, context: DecoderContext):
+        super().__init__(options, context)
+        o = options or MedusaOptions()
+        model = self.runner.model
+        path = Path(o.heads) if o.heads else default_heads_path(context.model_name)
+        if not path.exists():
+            raise ConfigError(f"decoder 'medusa': no heads at {path}; train them with `tokenloom train-medusa` "
+                              "or set decoder.heads")
+        self.heads = MedusaHeads.load(path, model.cfg.hidden_size).to(self.runner.device)
+        k = o.num_speculative_tokens if o.num_speculative_tokens is not None else self.heads.num_heads
+        if not 0 <= k <= min(self.heads.num_heads, MAX_SPECULATIVE_TOKENS):
+            raise ConfigError(f"decoder.num_speculative_tokens must be in 0..{self.heads.num_heads} (the heads), got {k}")
+        self.default_k, self.max_batch = k, o.max_batch
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], outputs: DecoderOutput, forward: ForwardOutput) -> None:
+        starts, at = {}, 0
+        for s, n in zip(forward.seqs, forward.num_rows, strict=True):
+            starts[s] = at
+            at += n
+        want = [(seq, min(self.num_speculative_tokens(seq), self.heads.num_heads,
+                          seq.max_len - seq.num_tokens - len(outputs[seq].token_ids) - 1)) for seq in seqs]
+        for seq, _ in want:
+            seq.draft_token_ids = []
+        want = [(seq, k) for seq, k in want if k > 0]
+        if not want or forward.hidden is None:
+            return
+        model = self.runner.model
+        rows = torch.tensor([starts[seq] + outputs[seq].num_accepted for seq, _ in want], device=forward.hidden.device)
+        x = normalise(model, forward.hidden[rows])
+        h = self.heads(x)  # [H, S, d]
+        logits = model.lm_head.apply(h.reshape(-1, h.shape[-1]).to(model.dtype)).float()
+        guesses = logits.argmax(dim=-1).view(self.heads.num_heads, len(want)).T.tolist()
+        for (seq, k), g in zip(want, guesses, strict=True):
+            seq.draft_token_ids = g[:k]
+
+
+@hookimpl
+def register_decoders(register):
+    register("medusa", MedusaDecoder, options=MedusaOptions,
+             description="Medusa heads on the last hidden state propose a chain, verified exactly "
+                         "(`tokenloom train-medusa` makes the heads)")
