@@ -118,6 +118,13 @@ class QuantizedKV:
         self.data[:, dst, :n] = self.data[:, src, :n]
         self.scale[:, dst, :n] = self.scale[:, src, :n]
 
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        kv_heads, _, _, head_dim = self.data.shape
+        raw = self._raw().view(kv_heads, -1, head_dim)
+        raw[:, dst] = raw[:, src]
+        scale = self.scale.view(kv_heads, -1)
+        scale[:, dst] = scale[:, src]
+
 
 SMALL_BF16_BMM = 3 * 64 * 256  # gathered key elements up to which decode attention runs in fp32
 
@@ -179,7 +186,7 @@ class TorchBackend:
             decode_rows = torch.tensor(inp.decode_rows, dtype=torch.long, device=dev)
         prefills = []
         for span in inp.prefills:
-            if span.q_len == span.context_len:  # nothing cached: attend to the new K/V directly
+            if span.q_len == span.context_len and span.tree_parents is None:  # nothing cached: the new K/V directly
                 prefills.append((span.q_start, span.q_end, None, span.context_len, None))
                 continue
             num_blocks = (span.context_len + bs - 1) // bs
@@ -187,8 +194,28 @@ class TorchBackend:
             offset = span.context_len - span.q_len
             i = torch.arange(span.q_len, device=dev)[:, None]
             j = torch.arange(span.context_len, device=dev)[None, :]
-            prefills.append((span.q_start, span.q_end, blocks, span.context_len, j <= i + offset))
+            mask = j <= i + offset
+            if span.tree_parents:
+                mask[span.q_len - len(span.tree_parents):, span.context_len - len(span.tree_parents):] = \
+                    _tree_mask(span.tree_parents, dev)
+            prefills.append((span.q_start, span.q_end, blocks, span.context_len, mask))
         return TorchAttnMeta(inp.slot_mapping, decode_rows, decode_blocks, decode_bias, prefills)
+
+    def move_kv_slots(self, kv_caches, src: list[int], dst: list[int]) -> None:
+        """Copy the KV of flat slots ``src`` to slots ``dst`` in every layer (a tree's
+        accepted branch into the positions it now holds); all reads happen before writes."""
+        if not src:
+            return
+        s = torch.tensor(src, dtype=torch.long, device=self.device)
+        d = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for k_cache, v_cache in kv_caches:
+            for cache in (k_cache, v_cache):
+                if isinstance(cache, QuantizedKV):
+                    cache.move_slots(s, d)
+                else:
+                    kv_heads, _, _, head_dim = cache.shape
+                    flat = cache.view(kv_heads, -1, head_dim)
+                    flat[:, d] = flat[:, s]
 
     def copy_blocks(self, kv_caches, copies: list[tuple[int, int, int]]) -> None:
         """Copy the first ``n`` token slots of block ``src`` into block ``dst``, every layer."""
@@ -269,6 +296,16 @@ class TorchBackend:
 
     def silu_mul(self, gate, up):
         return F.silu(gate) * up
+
+
+def _tree_mask(parents: list[int], device) -> torch.Tensor:
+    """[k, k] bool: node i sees node j when j is i or one of its ancestors."""
+    k = len(parents)
+    mask = torch.eye(k, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[i] |= mask[p]
+    return mask.to(device)
 
 
 def _gather(cache, blocks: torch.Tensor) -> torch.Tensor:

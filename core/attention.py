@@ -17,6 +17,9 @@ class PrefillSpan:
     q_end: int
     context_len: int
     block_table: list[int]
+    # A draft tree in the span's last len(tree_parents) rows (see Batch.draft_parents): a
+    # node attends to the context before the tree and to its ancestors and itself only.
+    tree_parents: list[int] | None = None
 
     @property
     def q_len(self) -> int:

@@ -183,6 +183,7 @@ class SequenceOutput:
     num_accepted: int = 0
     num_drafted: int = 0
     logprobs: list | None = None
+    accepted_nodes: list[int] | None = None  # a tree's accepted branch, as draft indices
 
 
 #: a step's result: an entry for each sequence that sampled (partial prefill chunks have none)
@@ -226,6 +227,11 @@ class Backend(Protocol):
 
     def copy_blocks(self, kv_caches, copies: list[tuple[int, int, int]]) -> None:
         """Copy the first n slots of block src into block dst, in every layer."""
+
+    def move_kv_slots(self, kv_caches, src: list[int], dst: list[int]) -> None:
+        """Copy the KV of flat slots ``src`` (block * block_size + offset) to ``dst``, every
+        layer, reading all before writing: a draft tree's accepted branch moves from its
+        lookahead slots into the positions it now holds."""
 
     def attention(self, q, k, v, k_cache, v_cache, meta, scale: float):
         """Attention of this step's queries over the cache; ``k``/``v`` are this step's own

@@ -11,7 +11,7 @@ from tokenloom.core.attention import AttentionInputs, PrefillSpan
 from tokenloom.core.loader import LoadedCheckpoint
 from tokenloom.core.models.llama import LlamaModel
 from tokenloom.core.sampler import Sampler
-from tokenloom.core.sequence import Batch, Sequence
+from tokenloom.core.sequence import Batch, Sequence, draft_depths
 
 
 @dataclass(slots=True)
@@ -100,21 +100,24 @@ class ModelRunner:
         sample_seqs: list[Sequence] = []
         row_counts: list[int] = []
         drafts_of = batch.draft_tokens or [[]] * len(batch.seqs)
-        for seq, n, table, drafts in zip(batch.seqs, batch.num_scheduled_tokens, batch.block_tables, drafts_of,
-                                         strict=True):
+        parents_of = batch.draft_parents or [None] * len(batch.seqs)
+        for seq, n, table, drafts, parents in zip(batch.seqs, batch.num_scheduled_tokens, batch.block_tables,
+                                                  drafts_of, parents_of, strict=True):
             start, row = seq.num_computed_tokens, len(input_ids)
             end = start + n
             k = len(drafts)
             input_ids.extend(seq.token_ids[start:end])
             input_ids.extend(drafts)
-            positions.extend(range(start, end + k))
+            positions.extend(range(start, end))
+            # a tree node sits at the position of its depth; its KV in lookahead slot end + i
+            positions.extend(range(end, end + k) if parents is None else (end - 1 + d for d in draft_depths(parents)))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end + k))
             if n == 1 and k == 0 and start > 0:
                 attn.decode_rows.append(row)
                 attn.decode_context_lens.append(end)
                 attn.decode_block_tables.append(table)
             else:  # a prompt chunk, or a last token and its drafts: causal over the context
-                attn.prefills.append(PrefillSpan(row, row + n + k, end + k, table))
+                attn.prefills.append(PrefillSpan(row, row + n + k, end + k, table, parents if k else None))
             if end == seq.num_tokens:  # reached the end: this sequence samples (and verifies its drafts)
                 sample_rows.extend(range(row + n - 1, row + n + k))
                 sample_seqs.append(seq)

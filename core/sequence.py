@@ -62,6 +62,9 @@ class Sequence:
     new_logprobs: list | None = None
     # Tokens a decoder proposed after the last step, for the next step to verify (see Batch).
     draft_token_ids: list[int] = field(default_factory=list)
+    # A tree of drafts instead of a chain: draft_parents[i] is the index of node i's parent
+    # (-1: the sequence's last token); nodes come parents first, depth by depth. None: a chain.
+    draft_parents: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
@@ -95,6 +98,14 @@ class Sequence:
         self.token_ids.append(token_id)
 
 
+def draft_depths(parents: list[int]) -> list[int]:
+    """Depth of each tree node (a child of the last token has depth 1)."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return depth
+
+
 @dataclass(slots=True)
 class Batch:
     """What the scheduler hands the decoder for one step.
@@ -107,6 +118,9 @@ class Batch:
     goes into slots the scheduler reserved with ``allocate(seq, n, num_lookahead=k)``, the
     runner returns logits for them too, and the decoder verifies them. Only a sequence whose
     scheduled tokens reach its end carries drafts. ``num_batched_tokens`` counts them.
+    ``draft_parents[i]`` (when not None) makes ``draft_tokens[i]`` a tree (see
+    ``Sequence.draft_parents``): each node sees the context and its own ancestors only, at
+    the position of its depth, and its KV sits in lookahead slot ``i`` until accepted.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
@@ -117,6 +131,7 @@ class Batch:
     # of a partially shared block, from a prefix cache that shares at token granularity)
     copies: list[tuple[int, int, int]] = field(default_factory=list)
     draft_tokens: list[list[int]] = field(default_factory=list)
+    draft_parents: list[list[int] | None] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)

@@ -62,7 +62,7 @@ class LossyPlugin:
         class LossyDecoder(NgramDecoder):
             name = "lossy"
 
-            def verify_drafts(self, forward, drafts, draft_probs):
+            def verify_drafts(self, forward, drafts, draft_probs, draft_parents=None):
                 from tokenloom.plugins.decoders.verify import row_contexts, target_probs
 
                 outs, at = [], 0
@@ -291,3 +291,67 @@ def test_train_medusa_command_writes_heads_the_decoder_loads(tiny_model_dir, tmp
         got = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
         assert got.metrics.num_draft_tokens > 0
         assert llm.engine.cache.stats().num_used_blocks == 0
+
+
+def test_tree_attention_scores_each_node_as_its_own_branch(make_llm):
+    """One forward over a draft tree gives every node the logits a chain of its branch gets."""
+    from tokenloom.core.sequence import Batch
+
+    llm = make_llm(num_kv_blocks=64, block_size=4)
+    runner, cache = llm.engine.runner, llm.engine.cache
+    prompt = [5, 9, 33, 70, 12, 8, 90]
+    drafts, parents = [40, 41, 42, 50, 51, 60, 70], [-1, -1, -1, 0, 0, 1, 3]
+    seq = Sequence("tree", list(prompt), SamplingParams(max_tokens=20))
+    assert cache.allocate(seq, len(prompt) - 1)
+    runner.forward(Batch([seq], [len(prompt) - 1], [cache.block_table(seq)]))
+    seq.num_computed_tokens = len(prompt) - 1
+    assert cache.allocate(seq, 1, num_lookahead=len(drafts))
+    out = runner.forward(Batch([seq], [1], [cache.block_table(seq)], draft_tokens=[drafts], draft_parents=[parents]))
+    assert out.num_rows == [len(drafts) + 1]
+    branch = {-1: []}
+    for i, p in enumerate(parents):
+        branch[i] = branch[p] + [drafts[i]]
+    for row, node in enumerate([-1, *range(len(drafts))]):
+        ids = prompt + branch[node]
+        ref = Sequence("chain", ids, SamplingParams(max_tokens=1))
+        assert cache.allocate(ref, len(ids))
+        want = runner.prefill_logits(ids, cache.block_table(ref))[-1]
+        cache.free(ref)
+        torch.testing.assert_close(out.logits[row], want, rtol=1e-4, atol=1e-4)
+    cache.free(seq)
+
+
+def test_accepted_tree_branch_kv_moves_into_place(make_llm):
+    """After a step that accepts a branch of a tree, decoding on gives the tokens (and the
+    logits) of plain greedy decoding: the branch's KV sits at the right positions."""
+    from tokenloom.core.interfaces import DecoderContext
+    from tokenloom.core.sequence import Batch
+    from tokenloom.plugins.decoders.standard import StandardDecoder
+
+    llm = make_llm(num_kv_blocks=64, block_size=4)
+    engine = llm.engine
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompt = [5, 9, 33, 70, 12, 8, 90]
+    want = llm.generate([prompt], greedy)[0].token_ids
+    runner, cache = engine.runner, engine.cache
+    dec = StandardDecoder(None, DecoderContext(engine.config, engine.pm, engine.model_config, cache, runner))
+    seq = Sequence("t", list(prompt), greedy)
+    assert cache.allocate(seq, len(prompt))
+    out = engine.call_in_step_thread(dec.step, Batch([seq], [len(prompt)], [cache.block_table(seq)]))[seq]
+    seq.num_computed_tokens = len(prompt)
+    seq.token_ids += out.token_ids
+    # A tree whose right branch (nodes 2 -> 4) is the greedy continuation, left one wrong.
+    drafts, parents = [want[1] + 1, 3, want[1], 4, want[2]], [-1, 0, -1, 0, 2]
+    assert cache.allocate(seq, 1, num_lookahead=len(drafts))
+    batch = Batch([seq], [1], [cache.block_table(seq)], draft_tokens=[drafts], draft_parents=[parents])
+    out = engine.call_in_step_thread(dec.step, batch)[seq]
+    assert out.accepted_nodes == [2, 4] and out.token_ids == want[1:4]
+    seq.num_computed_tokens += 1 + out.num_accepted
+    seq.token_ids += out.token_ids
+    while len(seq.token_ids) < len(prompt) + len(want):
+        assert cache.allocate(seq, 1)
+        out = engine.call_in_step_thread(dec.step, Batch([seq], [1], [cache.block_table(seq)]))[seq]
+        seq.num_computed_tokens += 1
+        seq.token_ids += out.token_ids
+    assert seq.token_ids[len(prompt):] == want
+    cache.free(seq)

@@ -432,3 +432,47 @@ def test_verify_sampling_law():
     # The helper target_probs is the same law, row by row.
     ctxs = row_contexts(seqs[0], drafts[0])
     torch.testing.assert_close(target_probs(sampler, block, ctxs), law)
+
+
+# ---- trees ------------------------------------------------------------------------
+def test_tree_keeps_the_target_law_at_every_depth():
+    """accept_tree with three candidates at the root and two below the first: the first
+    emitted token follows p[root], and the second, given the first was node 0's token,
+    follows p[node 0's row]. Dropping the renormalisation after a rejection breaks it."""
+    from tokenloom.plugins.decoders.verify import accept_tree
+
+    V = 5
+    g = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(6, V, generator=g) * 1.5, dim=-1)
+    drafts, parents = [0, 1, 2, 3, 4], [-1, -1, -1, 0, 0]
+    gen = torch.Generator().manual_seed(11)
+    first, second = [], []
+    for _ in range(20_000):
+        out, nodes = accept_tree(p, drafts, parents, gen)
+        first.append(out[0])
+        if nodes[:1] == [0]:
+            second.append(out[1])
+    _assert_law(first, p[0], "tree: first token")
+    _assert_law(second, p[1], "tree: second token under node 0")
+
+    def no_renormalise(p, drafts, parents, gen):  # accept each child with its raw p, no residual
+        for c in (0, 1, 2):
+            if float(torch.rand((), generator=gen)) < float(p[0, drafts[c]]):
+                return [drafts[c]], [c]
+        return [int(torch.multinomial(p[0], 1, generator=gen))], []
+
+    gen = torch.Generator().manual_seed(11)
+    wrong = [no_renormalise(p, drafts, parents, gen)[0][0] for _ in range(20_000)]
+    assert not _follows(wrong, p[0])
+
+
+def test_greedy_tree_follows_the_argmax_branch():
+    from tokenloom.plugins.decoders.verify import accept_tree
+
+    V = 6
+    p = torch.zeros(5, V)
+    for row, best in enumerate([2, 0, 4, 1, 5]):
+        p[row, best] = 1.0
+    # root children: nodes 0 (token 1), 1 (token 2); node 1's children: 2 (token 3), 3 (token 4)
+    out, nodes = accept_tree(p, [1, 2, 3, 4], [-1, -1, 1, 1], None)
+    assert nodes == [1, 3] and out == [2, 4, p[4].argmax().item()]

@@ -60,11 +60,33 @@ class SharedStepDecoder:
         when they were chosen deterministically (n-gram lookup, greedy drafting)."""
         return None
 
-    def verify_drafts(self, forward: ForwardOutput, drafts: list[list[int]], draft_probs: list) -> list[SequenceOutput]:
+    def verify_drafts(self, forward: ForwardOutput, drafts: list[list[int]], draft_probs: list,
+                      draft_parents: list | None = None) -> list[SequenceOutput]:
         """New tokens for each sampling sequence of ``forward`` (which ran ``drafts``, drawn
-        from ``draft_probs``): chain rejection sampling (plugins/decoders/verify.py). The
-        engine's configured decoder verifies every sequence of the batch."""
-        return verify(self.runner.sampler, forward.logits, forward.seqs, forward.num_rows, drafts, draft_probs)
+        from ``draft_probs``, as chains or trees): rejection sampling
+        (plugins/decoders/verify.py). The engine's configured decoder verifies every
+        sequence of the batch."""
+        return verify(self.runner.sampler, forward.logits, forward.seqs, forward.num_rows, drafts, draft_probs,
+                      draft_parents)
+
+    def _move_accepted_branches(self, batch: Batch, index: dict, result: DecoderOutput) -> None:
+        """A tree's accepted nodes wrote their KV to lookahead slots ``end + node``; they now
+        hold positions ``end, end + 1, ...``: move their KV there before the next step."""
+        src: list[int] = []
+        dst: list[int] = []
+        bs = self.runner.block_size
+        for seq, out in result.items():
+            if not out.accepted_nodes:
+                continue
+            i = index[seq]
+            table, end = batch.block_tables[i], seq.num_computed_tokens + batch.num_scheduled_tokens[i]
+            for depth, node in enumerate(out.accepted_nodes):
+                if node != depth:
+                    a, b = end + node, end + depth
+                    src.append(table[a // bs] * bs + a % bs)
+                    dst.append(table[b // bs] * bs + b % bs)
+        if src:
+            self.runner.backend.move_kv_slots(self.runner.kv_caches, src, dst)
 
     # ---- the shared step ------------------------------------------------------------
     def proposer_for(self, seq: Sequence) -> SharedStepDecoder:
@@ -83,11 +105,13 @@ class SharedStepDecoder:
         fwd = self.runner.forward(batch, return_hidden=need_hidden)
         if fwd.logits is None:
             return {}
-        drafts_of = dict(zip(batch.seqs, batch.draft_tokens or [[]] * len(batch.seqs), strict=True))
-        drafts = [drafts_of[seq] for seq in fwd.seqs]
+        index = {seq: i for i, seq in enumerate(batch.seqs)}
+        drafts = [batch.draft_tokens[index[seq]] if batch.draft_tokens else [] for seq in fwd.seqs]
+        parents = [batch.draft_parents[index[seq]] if batch.draft_parents else None for seq in fwd.seqs]
         qs = [proposers[seq].draft_probs(seq, len(d)) if d else None for seq, d in zip(fwd.seqs, drafts, strict=True)]
-        outs = self.verify_drafts(fwd, drafts, qs)
+        outs = self.verify_drafts(fwd, drafts, qs, parents)
         result: DecoderOutput = dict(zip(fwd.seqs, outs, strict=True))
+        self._move_accepted_branches(batch, index, result)
         by_proposer: dict[SharedStepDecoder, list[Sequence]] = defaultdict(list)
         for seq, out in result.items():
             proposer = proposers[seq]
@@ -99,6 +123,8 @@ class SharedStepDecoder:
             c["emitted"] += len(out.token_ids)
             by_proposer[proposer].append(seq)
         for proposer, seqs in by_proposer.items():
+            for seq in seqs:
+                seq.draft_parents = None  # a proposer that drafts a tree sets it again
             if len(result) > proposer.max_batch:
                 for seq in seqs:
                     seq.draft_token_ids = []
@@ -108,7 +134,7 @@ class SharedStepDecoder:
         return result
 
     def release(self, seq: Sequence) -> None:
-        seq.draft_token_ids = []
+        seq.draft_token_ids, seq.draft_parents = [], None
         self.runner.sampler.forget(seq)
         for proposer in self._proposers.values():
             proposer.release_state(seq)

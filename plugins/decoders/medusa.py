@@ -9,9 +9,13 @@ normalised state, ``h_i = x_n + SiLU(W_i x_n + b_i)`` with ``x_n = RMSNorm(h)``,
 model's own (frozen) output head. ``W_i`` and ``b_i`` start at zero, so an untrained head
 repeats the base model's guess; `tokenloom train-medusa` trains them by self-distillation.
 
-This version proposes a chain — each head's top-1 — verified like any other drafts, so the
-output distribution is exactly the target's. (Medusa's candidate *tree*, several top-k
-continuations verified in one forward with tree attention, is not built yet.)
+Candidates form a tree (``tree``: paths of per-head top-k ranks, Medusa's "sparse tree";
+``tree = []`` proposes a chain of each head's best): a node's token is head ``d-1``'s
+choice at the node's depth ``d``, and siblings differ. The target scores every node in one
+forward, each node seeing only its own ancestors (``Batch.draft_parents``), and
+``accept_tree`` keeps the longest branch that rejection sampling accepts, so the output
+distribution is still exactly the target's. The accepted branch's KV then moves from the
+lookahead slots into place (``Backend.move_kv_slots``).
 
 Heads live in a safetensors file (``medusa.{i}.weight``, ``medusa.{i}.bias``) whose
 metadata names the model they were trained for; by default
@@ -95,10 +99,29 @@ def normalise(model, h: torch.Tensor) -> torch.Tensor:
     return model.backend.rms_norm(h, model.norm, model.cfg.rms_norm_eps).float()
 
 
+#: the default candidate tree: each path lists, per depth, which of that head's top tokens to
+#: take (0 = best); nodes share their ancestors (Medusa's "sparse tree", sized for a CPU)
+DEFAULT_TREE = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0))
+
+
 class MedusaOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     heads: str | None = None  # safetensors file; default: default_heads_path(model name)
-    num_speculative_tokens: int | None = None  # default: every head
+    num_speculative_tokens: int | None = None  # deepest draft (default: every head)
+    tree: list[list[int]] | None = None  # None: DEFAULT_TREE cut to the heads; []: a chain
     max_batch: int = 4
+
+
+def tree_layout(paths: list[tuple[int, ...]]) -> tuple[list[tuple[int, ...]], list[int]]:
+    """Paths ordered depth by depth, and each one's parent index (-1: the last token).
+    Every prefix of a path must itself be a path (the tree is closed under ancestors)."""
+    order = sorted(set(paths), key=lambda p: (len(p), p))
+    index = {p: i for i, p in enumerate(order)}
+    parents = []
+    for p in order:
+        if len(p) > 1 and p[:-1] not in index:
+            raise ConfigError(f"decoder.tree: path {list(p)} has no parent {list(p[:-1])} in the tree")
+        parents.append(index[p[:-1]] if len(p) > 1 else -1)
+    return order, parents
 
 
 class MedusaDecoder(SharedStepDecoder):
@@ -118,9 +141,17 @@ class MedusaDecoder(SharedStepDecoder):
         if not 0 <= k <= min(self.heads.num_heads, MAX_SPECULATIVE_TOKENS):
             raise ConfigError(f"decoder.num_speculative_tokens must be in 0..{self.heads.num_heads} (the heads), got {k}")
         self.default_k, self.max_batch = k, o.max_batch
+        paths = [tuple(p) for p in (o.tree if o.tree is not None else
+                                    [q for q in DEFAULT_TREE if len(q) <= self.heads.num_heads])]
+        if any(not p or min(p) < 0 for p in paths):
+            raise ConfigError("decoder.tree: each path is a non-empty list of ranks >= 0")
+        if paths and max(map(len, paths)) > self.heads.num_heads:
+            raise ConfigError(f"decoder.tree is {max(map(len, paths))} deep; there are {self.heads.num_heads} heads")
+        self.paths, self.parents = tree_layout(paths) if paths else ([], [])
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], outputs: DecoderOutput, forward: ForwardOutput) -> None:
+        """A tree (``tree`` paths deeper than K dropped) or a chain of each head's best."""
         starts, at = {}, 0
         for s, n in zip(forward.seqs, forward.num_rows, strict=True):
             starts[s] = at
@@ -128,7 +159,7 @@ class MedusaDecoder(SharedStepDecoder):
         want = [(seq, min(self.num_speculative_tokens(seq), self.heads.num_heads,
                           seq.max_len - seq.num_tokens - len(outputs[seq].token_ids) - 1)) for seq in seqs]
         for seq, _ in want:
-            seq.draft_token_ids = []
+            seq.draft_token_ids, seq.draft_parents = [], None
         want = [(seq, k) for seq, k in want if k > 0]
         if not want or forward.hidden is None:
             return
@@ -137,9 +168,16 @@ class MedusaDecoder(SharedStepDecoder):
         x = normalise(model, forward.hidden[rows])
         h = self.heads(x)  # [H, S, d]
         logits = model.lm_head.apply(h.reshape(-1, h.shape[-1]).to(model.dtype)).float()
-        guesses = logits.argmax(dim=-1).view(self.heads.num_heads, len(want)).T.tolist()
-        for (seq, k), g in zip(want, guesses, strict=True):
-            seq.draft_token_ids = g[:k]
+        logits = logits.view(self.heads.num_heads, len(want), -1)
+        ranks = 1 + max((max(p) for p in self.paths), default=0)
+        top = logits.topk(ranks, dim=-1).indices.transpose(0, 1).tolist()  # [S][H][ranks]
+        for (seq, k), guesses in zip(want, top, strict=True):
+            if not self.paths:
+                seq.draft_token_ids = [guesses[i][0] for i in range(k)]
+                continue
+            keep = [i for i, p in enumerate(self.paths) if len(p) <= k]  # a prefix: paths go depth by depth
+            seq.draft_token_ids = [guesses[len(self.paths[i]) - 1][self.paths[i][-1]] for i in keep]
+            seq.draft_parents = [self.parents[i] for i in keep]
 
 
 @hookimpl

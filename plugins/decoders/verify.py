@@ -63,6 +63,17 @@ def row_contexts(seq: Sequence, drafts: list[int]) -> list[RowContext]:
             for j in range(len(drafts) + 1)]
 
 
+def _contexts(seq: Sequence, drafts: list[int], parents: list[int] | None) -> list[RowContext]:
+    """Row contexts for a chain, or for a tree: node i's row has seen its own branch."""
+    if parents is None:
+        return row_contexts(seq, drafts)
+    branch: list[list[int]] = []
+    for i, parent in enumerate(parents):
+        branch.append((branch[parent] if parent >= 0 else []) + [drafts[i]])
+    return [RowContext(seq.params, seq.token_ids, seq.num_prompt_tokens, seq.seq_id)] + [
+        RowContext(seq.params, seq.token_ids + b, seq.num_prompt_tokens, seq.seq_id) for b in branch]
+
+
 def target_probs(sampler: Sampler, logits: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
     """``[R, V]``: each row's sampling distribution, every sampling parameter applied."""
     return sampler.probs(sampler._apply_penalties(logits, rows), rows)
@@ -105,8 +116,48 @@ def accept_chain(p: torch.Tensor, drafts: list[int], q: torch.Tensor | None, gen
     return out, len(drafts)
 
 
+def accept_tree(p: torch.Tensor, drafts: list[int], parents: list[int], gen: torch.Generator | None
+                ) -> tuple[list[int], list[int]]:
+    """Verification of a tree of deterministic drafts (Miao et al. 2024, "SpecInfer",
+    multi-step speculative sampling with one-hot drafts): ``p [k+1, V]`` (row 0 the root,
+    row i+1 draft node i), ``drafts`` the nodes' tokens (siblings distinct), ``parents`` as
+    ``Batch.draft_parents``. From the root, the children of the current node are tried in
+    order: child c is accepted with probability ``r(c)``, where ``r`` starts as the node's
+    target distribution and, after each rejected child, is that child zeroed and the rest
+    renormalised; accepting moves down to the child, rejecting every child emits one token
+    drawn from the final ``r`` (with no children: the bonus token from ``p``). Every emitted
+    token is distributed as the target's, as for a chain. Returns (emitted tokens, the
+    accepted nodes in order). ``gen=None``: greedy (one-hot rows), no randomness drawn."""
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents):
+        children.setdefault(parent, []).append(i)
+    out: list[int] = []
+    path: list[int] = []
+    node, row = -1, 0
+    while True:
+        r = p[row]
+        accepted = None
+        for c in children.get(node, ()):
+            t = drafts[c]
+            pt = float(r[t])
+            if pt > 0 and (pt >= 1.0 or (gen is not None and _uniform(gen, p.device) < pt)):
+                accepted = c
+                break
+            if pt > 0:  # rejected: the residual of a one-hot draft is r without t
+                r = r.clone()
+                r[t] = 0.0
+                r = r / r.sum()
+        if accepted is None:
+            out.append(int(r.argmax()) if gen is None else _draw(r, gen))
+            return out, path
+        out.append(drafts[accepted])
+        path.append(accepted)
+        node, row = accepted, accepted + 1
+
+
 def verify(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], num_rows: list[int],
-           drafts: list[list[int]], draft_probs: list[torch.Tensor | None] | None = None) -> list[SequenceOutput]:
+           drafts: list[list[int]], draft_probs: list[torch.Tensor | None] | None = None,
+           draft_parents: list[list[int] | None] | None = None) -> list[SequenceOutput]:
     """Turn a forward's logits into each sequence's new tokens.
 
     :param logits: ``[R, V]`` float32, ``num_rows[i] = 1 + len(drafts[i])`` consecutive rows
@@ -114,6 +165,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], num_row
     :param drafts: the draft tokens each sequence ran this step (may be empty).
     :param draft_probs: per sequence, ``[k, V]`` draft distributions, or ``None`` for a
         deterministic proposer (one-hot drafts).
+    :param draft_parents: per sequence, the tree's parents (:func:`accept_tree`; drafts
+        must then be deterministic), or ``None`` for a chain.
     """
     starts, offset = [], 0
     for n in num_rows:
@@ -129,8 +182,9 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], num_row
             results[i] = SequenceOutput([tok], logprobs=[lp] if lp is not None else None)
 
     spec = [i for i, d in enumerate(drafts) if d]
+    parents_of = draft_parents or [None] * len(seqs)
     if spec:
-        contexts = [ctx for i in spec for ctx in row_contexts(seqs[i], drafts[i])]
+        contexts = [ctx for i in spec for ctx in _contexts(seqs[i], drafts[i], parents_of[i])]
         rows = torch.cat([torch.arange(starts[i], starts[i] + num_rows[i]) for i in spec]).to(logits.device)
         spec_logits = logits[rows]
         probs = target_probs(sampler, spec_logits, contexts)
@@ -143,11 +197,19 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], num_row
             p = probs[at:at + k + 1]
             gen = None if seq.params.greedy else sampler._generator_for(seq)
             q = draft_probs[i] if draft_probs is not None else None
-            tokens, accepted = accept_chain(p, drafts[i], q, gen)
+            nodes = None
+            if parents_of[i] is not None:
+                tokens, nodes = accept_tree(p, drafts[i], parents_of[i], gen)
+                accepted = len(nodes)
+            else:
+                tokens, accepted = accept_chain(p, drafts[i], q, gen)
             lps = None
             if raw_logprobs is not None and seq.params.logprobs is not None:
-                lps = [_logprob(raw_logprobs[at + j], tok, seq.params.logprobs) for j, tok in enumerate(tokens)]
-            results[i] = SequenceOutput(tokens, num_accepted=accepted, num_drafted=k, logprobs=lps)
+                rows_used = [0] + [c + 1 for c in nodes] if nodes is not None else range(len(tokens))
+                lps = [_logprob(raw_logprobs[at + j], tok, seq.params.logprobs)
+                       for j, tok in zip(rows_used, tokens, strict=False)]
+            results[i] = SequenceOutput(tokens, num_accepted=accepted, num_drafted=k, logprobs=lps,
+                                        accepted_nodes=nodes)
             at += k + 1
     return results  # type: ignore[return-value]
 

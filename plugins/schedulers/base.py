@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 
 from tokenloom.core.errors import RequestTooLong
-from tokenloom.core.sequence import Batch, Sequence, SequenceStatus
+from tokenloom.core.sequence import Batch, Sequence, SequenceStatus, draft_depths
 
 
 class QueueScheduler:
@@ -50,7 +50,7 @@ class QueueScheduler:
         self.running.remove(seq)
         self.cache.free(seq)
         seq.num_computed_tokens = 0
-        seq.draft_token_ids = []
+        seq.draft_token_ids, seq.draft_parents = [], None
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -75,20 +75,31 @@ class QueueScheduler:
         return batch
 
     @staticmethod
-    def drafts_for(seq: Sequence, n: int, budget: int) -> list[int]:
-        """The proposed tokens ``seq`` verifies this step if it runs ``n`` tokens: only when
-        those reach its end, at most ``budget - n`` of them, and never so many that accepting
-        all of them plus the bonus token would pass ``max_tokens``."""
+    def drafts_for(seq: Sequence, n: int, budget: int) -> tuple[list[int], list[int] | None]:
+        """The proposed tokens (and tree parents, or None for a chain) ``seq`` verifies this
+        step if it runs ``n`` tokens: only when those reach its end, at most ``budget - n``
+        of them, and none so deep that accepting its whole branch plus the bonus token would
+        pass ``max_tokens`` (nodes come depth by depth, so both cuts keep a prefix)."""
         drafts = seq.draft_token_ids
         if not drafts or seq.num_computed_tokens + n != seq.num_tokens:
-            return []
-        k = min(len(drafts), budget - n, seq.max_len - seq.num_tokens - 1)
-        return drafts[:k] if k > 0 else []
+            return [], None
+        room = seq.max_len - seq.num_tokens - 1  # the deepest draft that may be accepted
+        parents = seq.draft_parents
+        if parents is None:
+            k = min(len(drafts), budget - n, room)
+        else:
+            depth = draft_depths(parents)
+            k = min(sum(d <= room for d in depth), budget - n)
+        if k <= 0:
+            return [], None
+        return drafts[:k], (parents[:k] if parents is not None else None)
 
-    def _add_to_batch(self, batch: Batch, seq: Sequence, n: int, drafts: list[int] | None = None) -> None:
+    def _add_to_batch(self, batch: Batch, seq: Sequence, n: int, drafts: list[int] | None = None,
+                      parents: list[int] | None = None) -> None:
         batch.seqs.append(seq)
         batch.num_scheduled_tokens.append(n)
         batch.draft_tokens.append(drafts or [])
+        batch.draft_parents.append(parents if drafts else None)
         batch.block_tables.append(self.cache.block_table(seq))
 
     def has_unfinished(self) -> bool:

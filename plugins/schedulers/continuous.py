@@ -52,7 +52,7 @@ class ContinuousScheduler(QueueScheduler):
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            drafts = self.drafts_for(seq, n, budget)
+            drafts, parents = self.drafts_for(seq, n, budget)
             if drafts and not self.cache.allocate(seq, n, num_lookahead=len(drafts)):
                 drafts = []  # no room to speculate: decode plainly, never preempt for drafts
             while not drafts and not self.cache.allocate(seq, n):
@@ -62,7 +62,7 @@ class ContinuousScheduler(QueueScheduler):
                     break
             if seq.status is SequenceStatus.PREEMPTED:
                 break
-            self._add_to_batch(batch, seq, n, drafts)
+            self._add_to_batch(batch, seq, n, drafts, parents)
             budget -= n + len(drafts)
             i += 1
         if batch.preempted:  # memory is tight: admit nothing new this step

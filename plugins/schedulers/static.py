@@ -39,7 +39,7 @@ class StaticScheduler(QueueScheduler):
                 self.running.append(seq)
         for seq in self.running:  # drafts always fit: the reservation covers max_len
             n = seq.num_tokens - seq.num_computed_tokens
-            self._add_to_batch(batch, seq, n, self.drafts_for(seq, n, seq.max_len))
+            self._add_to_batch(batch, seq, n, *self.drafts_for(seq, n, seq.max_len))
         return self.finalize(batch)
 
 
