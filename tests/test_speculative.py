@@ -104,12 +104,14 @@ def test_lookahead_allocation_in_every_cache_manager(make_llm):
 
 
 def test_mixed_batch_gives_each_request_its_tokens_alone(make_llm):
-    prompts = ["abcabcabcabc", "hello hello hello", "xyz", "the cat the cat the"]
+    prompts = ["abcabcabcabc", "hello hello hello", "xyz", "the cat the cat the", "one two one two", "a b c"]
     params = [SamplingParams(temperature=0, max_tokens=24, decoder="ngram", ignore_eos=True),
               SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=24, decoder="ngram", ignore_eos=True),
               SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=0.7, seed=11, max_tokens=24, decoder="ngram",
-                             num_speculative_tokens=3, repetition_penalty=1.2, ignore_eos=True)]
+                             num_speculative_tokens=3, repetition_penalty=1.2, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=24, decoder="speculative", ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=24, decoder="speculative", ignore_eos=True)]
     llm = make_llm(decoder={"name": "standard"})
     together = llm.generate(prompts, params)
     for prompt, p, out in zip(prompts, params, together, strict=True):
@@ -161,11 +163,13 @@ def test_preemption_mid_speculation_loses_nothing(make_llm):
     assert [o.token_ids for o in ref.generate(prompts, params)] == [o.token_ids for o in outs]
 
 
-async def test_abort_mid_speculation_ends_every_stream_once(tiny_model_dir):
+@pytest.mark.parametrize("decoder", [{"name": "ngram", "prompt_lookup_min": 1},
+                                     {"name": "speculative", "draft_num_layers": 1, "draft_quantizer": "none"}])
+async def test_abort_mid_speculation_ends_every_stream_once(tiny_model_dir, decoder):
     from tokenloom.core.engine import AsyncEngine
     from tokenloom.core.outputs import Finished
 
-    engine = AsyncEngine.from_options(**tiny_engine_kwargs(tiny_model_dir, decoder={"name": "ngram", "prompt_lookup_min": 1}))
+    engine = AsyncEngine.from_options(**tiny_engine_kwargs(tiny_model_dir, decoder=decoder))
     try:
         params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
         reqs = [engine.submit("ab" * 10 + str(i), params) for i in range(4)]
@@ -186,14 +190,16 @@ async def test_abort_mid_speculation_ends_every_stream_once(tiny_model_dir):
         reasons = sorted(f[0].finish_reason for f in finals.values())
         assert reasons == ["aborted", "aborted", "length", "length"]
         assert engine.cache.stats().num_used_blocks == 0
-        assert engine.stats()["decoder_ngram_drafted"] > 0
+        assert engine.stats()[f"decoder_{decoder['name']}_drafted"] > 0
+        if decoder["name"] == "speculative":  # the draft pool too
+            assert engine.decoder.draft.cache.stats().num_used_blocks == 0
     finally:
         await engine.shutdown()
         engine.close()
 
 
 @pytest.mark.slow
-def test_speculative_decoders_greedy_identical_on_the_embedded_model():
+def test_speculative_decoders_greedy_identical_on_the_embedded_model(tmp_path):
     from tokenloom import LLM
 
     passage = ("The river rose in the night, and by morning the lower town was under water. The mayor "
@@ -204,13 +210,14 @@ def test_speculative_decoders_greedy_identical_on_the_embedded_model():
                 [{"role": "user", "content": "Write a Python function that reverses a list."}]]
     # fp32, dequantised: a verification forward runs several rows where plain decoding runs
     # one, and with the 4-bit kernel's bfloat16 activations that alone can flip a near-tie.
-    with LLM(dtype="float32", quantizer="none") as llm:
-        base = SamplingParams(temperature=0, max_tokens=64)
+    heads = _random_heads(tmp_path / "medusa.safetensors", 3, 576, scale=0.3)  # exactness needs no training
+    with LLM(dtype="float32", quantizer="none", decoder={"name": "medusa", "heads": str(heads)}) as llm:
+        base = SamplingParams(temperature=0, max_tokens=64, decoder="standard")
         want = llm.generate(messages=messages, params=base)
-        for name in ("ngram", "speculative"):  # speculative: the same model, 4-bit, drafts
+        for name in ("ngram", "speculative", "medusa"):  # speculative: the same model, 4-bit, drafts
             got = llm.generate(messages=messages, params=SamplingParams(temperature=0, max_tokens=64, decoder=name))
             assert [o.token_ids for o in got] == [o.token_ids for o in want], name
-            assert sum(o.metrics.num_accepted_tokens for o in got) > 20, name
+            assert sum(o.metrics.num_accepted_tokens for o in got) > (20 if name != "medusa" else 0), name
         assert llm.engine.cache.stats().num_used_blocks == 0
 
 

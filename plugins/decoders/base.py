@@ -10,9 +10,13 @@ configured one), so one batch mixes standard, n-gram and other sequences: they s
 forward and the verification and differ only in what they propose. A decoder named by a
 request but not configured is built on first use with its default options.
 
-Speculation is switched off for a step when more than ``max_batch`` sequences sample in
-it: with a batch that large the forward is compute-bound, and k extra rows per sequence
-cost more than the accepted tokens save. The stats count those skipped proposals.
+Speculation switches itself off two ways, both counted in the stats: for a step, when more
+than ``max_batch`` sequences sample in it (``skipped``: with a batch that large the forward
+is compute-bound, and k extra rows per sequence cost more than the accepted tokens save);
+and for a sequence, when its drafts stop being kept (``paused``: see :meth:`_pays`). The
+first rule spares seeded requests: whether a sequence drafts changes which random draws
+it makes, so a seeded request's tokens would otherwise depend on the batch around it. (So
+does the scheduler dropping drafts for want of token budget or KV blocks.)
 """
 
 from __future__ import annotations
@@ -23,6 +27,12 @@ from tokenloom.core.interfaces import DecoderContext, DecoderOutput, SequenceOut
 from tokenloom.core.runner import ForwardOutput
 from tokenloom.core.sequence import Batch, Sequence
 from tokenloom.plugins.decoders.verify import verify
+
+#: drafts a sequence must keep per verifying step, on average, for drafting to go on
+MIN_GAIN = 0.35
+GAIN_PRIOR = 1.0  # the average a sequence starts (and restarts) from
+GAIN_DECAY = 0.25  # weight of the latest step in the average
+PAUSE_STEPS = 8  # plain steps before a paused sequence drafts again
 
 
 class SharedStepDecoder:
@@ -41,7 +51,8 @@ class SharedStepDecoder:
         # Requests name decoders as the registry does: the configured one is this object.
         self._proposers: dict[str, SharedStepDecoder] = {self.name: self, context.config.decoder.name: self}
         self._counters: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(
-            ("steps", "drafting_steps", "drafted", "accepted", "emitted", "skipped"), 0))
+            ("steps", "drafting_steps", "drafted", "accepted", "emitted", "skipped", "paused"), 0))
+        self._gain: dict[int, list] = {}
 
     # ---- what a subclass changes ----------------------------------------------------
     def propose(self, seqs: list[Sequence], outputs: DecoderOutput, forward: ForwardOutput) -> None:
@@ -121,20 +132,49 @@ class SharedStepDecoder:
             c["drafted"] += out.num_drafted
             c["accepted"] += out.num_accepted
             c["emitted"] += len(out.token_ids)
+            if not self._pays(seq, out):
+                seq.draft_token_ids, seq.draft_parents = [], None
+                c["paused"] += 1
+                continue
             by_proposer[proposer].append(seq)
         for proposer, seqs in by_proposer.items():
             for seq in seqs:
                 seq.draft_parents = None  # a proposer that drafts a tree sets it again
             if len(result) > proposer.max_batch:
-                for seq in seqs:
+                # A seeded request drafts regardless, so that its tokens never depend on
+                # what else is in the batch (drafting changes which draws it makes).
+                skip = [seq for seq in seqs if seq.params.seed is None]
+                for seq in skip:
                     seq.draft_token_ids = []
-                self._counters[proposer.name]["skipped"] += len(seqs)
-            else:
+                self._counters[proposer.name]["skipped"] += len(skip)
+                seqs = [seq for seq in seqs if seq.params.seed is not None]
+            if seqs:
                 proposer.propose(seqs, result, fwd)
         return result
 
+    def _pays(self, seq: Sequence, out: SequenceOutput) -> bool:
+        """Does drafting still pay for ``seq``? An exponential average of the drafts it
+        accepts per verifying step; below ``MIN_GAIN`` (a verification step costs more
+        than plain decoding, so a few drafts kept per step are needed to break even) the
+        sequence pauses drafting for ``PAUSE_STEPS`` steps, then tries again."""
+        g = self._gain.get(seq.seq_id)
+        if g is None:
+            g = self._gain[seq.seq_id] = [GAIN_PRIOR, 0]  # [average drafts kept per step, steps left paused]
+        if g[1] > 0:
+            g[1] -= 1
+            if g[1] == 0:
+                g[0] = GAIN_PRIOR  # probe again with a clean slate
+            return g[1] == 0
+        if out.num_drafted:
+            g[0] += GAIN_DECAY * (out.num_accepted - g[0])
+            if g[0] < MIN_GAIN:
+                g[1] = PAUSE_STEPS
+                return False
+        return True
+
     def release(self, seq: Sequence) -> None:
         seq.draft_token_ids, seq.draft_parents = [], None
+        self._gain.pop(seq.seq_id, None)
         self.runner.sampler.forget(seq)
         for proposer in self._proposers.values():
             proposer.release_state(seq)
@@ -145,7 +185,7 @@ class SharedStepDecoder:
     def stats(self) -> dict[str, float]:
         """Per decoder name, counted per sequence-step: steps, drafting_steps (steps that
         verified drafts), drafted, accepted, emitted, skipped (proposals switched off by batch
-        size), acceptance rate and mean tokens per step."""
+        size), paused (by a sequence's low acceptance), acceptance rate and mean tokens per step."""
         out: dict[str, float] = {}
         for name, c in sorted(self._counters.items()):
             for key, value in c.items():
