@@ -362,3 +362,23 @@ def test_accepted_tree_branch_kv_moves_into_place(make_llm):
         seq.token_ids += out.token_ids
     assert seq.token_ids[len(prompt):] == want
     cache.free(seq)
+
+
+@pytest.mark.parametrize("cache_manager, scheduler", [("paged", "continuous"), ("radix", "continuous"),
+                                                      ("contiguous", "continuous"), ("paged", "static"),
+                                                      ("radix", "cache-aware")])
+def test_speculation_under_every_cache_manager_and_scheduler(make_llm, cache_manager, scheduler):
+    """Drafts through each manager's lookahead and each scheduler: greedy tokens equal a plain
+    engine's, prefix caches register only accepted tokens (a second identical batch hits the
+    cache and still decodes the same), and every block comes back."""
+    llm = make_llm(cache_manager=cache_manager, scheduler=scheduler, num_kv_blocks=96, block_size=4,
+                   decoder={"name": "ngram", "prompt_lookup_min": 1})
+    prompts = ["abab" * 6, "xyzxyz" * 3 + "x", "hello, hello, hello, "]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = [o.token_ids for o in make_llm(num_kv_blocks=256).generate(prompts, params)]
+    for _ in range(2):  # the second round meets whatever the first left in a prefix cache
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == want
+        assert llm.engine.cache.stats().num_used_blocks == 0
+        llm.engine.cache.check_integrity()
+    assert llm.engine.stats()["decoder_ngram_accepted"] > 0
