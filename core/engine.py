@@ -108,6 +108,9 @@ class AsyncEngine:
         if params.decoder is not None and params.decoder not in self._decoder_names:
             raise ClientError(f"unknown decoder {params.decoder!r}; known: {', '.join(self._decoder_names)}",
                               param="decoder", value=params.decoder)
+        if params.decoder is not None and params.decoder in self.decoder.unavailable:
+            raise ClientError(f"decoder {params.decoder!r} is unavailable here ({self.decoder.unavailable[params.decoder]})",
+                              param="decoder", value=params.decoder)
         self._ensure_loop()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
@@ -241,6 +244,9 @@ class AsyncEngine:
                 status = req.check_stop(tok, self.max_model_len)
                 if status is not None:
                     break
+            # A stop inside the accepted drafts appends fewer tokens than were computed: KV
+            # exists only for tokens the sequence has (a prefix cache registers up to here).
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
             seq.new_logprobs = res.logprobs[:len(accepted)] if res.logprobs else None
             req.num_drafted += res.num_drafted
             req.num_accepted += res.num_accepted

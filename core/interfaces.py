@@ -207,6 +207,10 @@ class Decoder(Protocol):
     def stats(self) -> dict[str, float]:
         """Counters for ``engine.stats()`` (speculation: drafted, accepted, ...); {} if none."""
 
+    #: decoder names a request asked for that could not be built here, with the reason: the
+    #: engine refuses requests naming them (their first requests decoded plainly)
+    unavailable: dict[str, str]
+
 
 @runtime_checkable
 class Backend(Protocol):

@@ -15,6 +15,7 @@ from tokenloom.core.hookspecs import hookimpl
 from tokenloom.core.interfaces import SequenceOutput
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.core.sequence import Sequence
+from tokenloom.plugins.decoders.base import SharedStepDecoder
 from tokenloom.plugins.decoders.ngram import NgramDecoder, NgramOptions, lookup
 from tokenloom.testing import ConformanceError, check_decoder, make_tiny_model
 
@@ -382,3 +383,86 @@ def test_speculation_under_every_cache_manager_and_scheduler(make_llm, cache_man
         assert llm.engine.cache.stats().num_used_blocks == 0
         llm.engine.cache.check_integrity()
     assert llm.engine.stats()["decoder_ngram_accepted"] > 0
+
+
+class OraclePlugin:
+    """A decoder whose drafts are a known continuation (so every draft is accepted)."""
+
+    def __init__(self):
+        self.script: list[int] = []
+
+    @hookimpl
+    def register_decoders(self, register):
+        plugin = self
+
+        class OracleDecoder(SharedStepDecoder):
+            name = "oracle"
+            default_k = 4
+
+            def propose(self, seqs, outputs, forward):
+                for seq in seqs:
+                    done = seq.num_output_tokens + len(outputs[seq].token_ids)
+                    seq.draft_token_ids = plugin.script[done:done + 4]
+
+        register("oracle", OracleDecoder, description="drafts a scripted continuation (tests)")
+
+
+@pytest.mark.parametrize("cache_manager", ["radix", "paged"])
+def test_a_stop_inside_accepted_drafts_leaves_the_prefix_cache_exact(tiny_model_dir, cache_manager):
+    """A stop token among a step's accepted drafts ends the sequence with fewer tokens than
+    the step computed KV for: the cache must register only the tokens the sequence has, so a
+    request that shares the stopped text and then diverges gets exactly a fresh engine's tokens."""
+    from tokenloom import LLM
+    from tokenloom.core.plugins import PluginManager
+
+    oracle = OraclePlugin()
+    kw = tiny_engine_kwargs(tiny_model_dir, cache_manager=cache_manager, num_kv_blocks=128, block_size=4)
+    with LLM(**kw) as plain:
+        prompt = [40 + (i * 7) % 50 for i in range(9)]
+        greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        oracle.script = plain.generate([prompt], greedy)[0].token_ids
+        # the stop: a draft with accepted drafts after it in its step (steps emit script[1:5]+
+        # bonus script[5], then [6:10] + [10], ...), at the token's first occurrence
+        j = next(j for j in (2, 3, 6, 7, 8, 11, 12, 13, 16, 17, 18) if oracle.script[j] not in oracle.script[:j])
+        branch = prompt + oracle.script[:j + 1] + [3, 5, 8, 13, 21, 34]
+        want = plain.generate([branch], greedy)[0].token_ids
+    pm = PluginManager(load_entry_points=False, extra=[oracle])
+    with LLM(plugin_manager=pm, **{**kw, "decoder": "oracle"}) as llm:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                    stop_token_ids=[oracle.script[j]]))[0]
+        assert out.token_ids == oracle.script[:j + 1] and out.metrics.num_accepted_tokens >= 4
+        llm.engine.cache.check_integrity()
+        got = llm.generate([branch], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                    decoder="standard"))[0]
+        assert got.usage.cached_tokens <= len(prompt) + j + 1
+        assert got.token_ids == want
+        llm.engine.cache.check_integrity()
+
+
+def test_static_scheduler_with_a_draft_tree_near_max_tokens(make_llm, tmp_path):
+    """A tree's nodes each take a lookahead slot: near the end of a static reservation they
+    need blocks beyond it (or go without drafts) instead of indexing past the table."""
+    heads = _random_heads(tmp_path / "h.safetensors", 3, 64)
+    llm = make_llm(scheduler="static", block_size=4, num_kv_blocks=64, decoder={"name": "medusa", "heads": str(heads)})
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [[30 + i for i in range(8)], [60 + i for i in range(5)]]
+    want = [o.token_ids for o in make_llm(num_kv_blocks=64).generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.engine.stats()["decoder_medusa_drafted"] > 0
+    assert llm.engine.cache.stats().num_used_blocks == 0
+
+
+def test_a_decoder_that_cannot_be_built_fails_no_request(make_llm, tmp_path, monkeypatch):
+    """Medusa named by a request with no heads anywhere: that request decodes plainly (the
+    same tokens), the batch around it is untouched, and later requests naming it are refused."""
+    monkeypatch.setenv("TOKENLOOM_CACHE", str(tmp_path))  # no trained heads here
+    llm = make_llm()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate(["one", "two"], params)]
+    outs = llm.generate(["one", "two"], [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                        decoder="medusa"), params])
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    assert [o.token_ids for o in outs] == want
+    with pytest.raises(ClientError) as info:
+        llm.generate(["three"], SamplingParams(decoder="medusa"))
+    assert info.value.param == "decoder" and "train-medusa" in str(info.value)

@@ -56,6 +56,7 @@ class PagedCacheManager:
         self._by_key: dict[int, int] = {}  # chain hash -> block id
         self._tables: dict[int, list[int]] = {}
         self._num_tokens: dict[int, int] = {}
+        self._lookahead: dict[int, int] = {}  # slots held past the tokens for drafts (max so far)
         self._registered: dict[int, tuple[int, int | None]] = {}  # seq -> (blocks done, last chain hash)
         self._num_cached = 0  # blocks in the free queue that are still registered
         self.num_evictions = self.prefix_queries = self.prefix_hits = 0
@@ -162,6 +163,9 @@ class PagedCacheManager:
         table.extend(self._take_free_block() for _ in range(need))
         self._num_tokens[seq.seq_id] = max(self._num_tokens.get(seq.seq_id, 0),
                                            seq.num_computed_tokens + num_new_tokens)
+        if num_lookahead:
+            self._lookahead[seq.seq_id] = max(self._lookahead.get(seq.seq_id, 0), seq.num_computed_tokens
+                                              + num_new_tokens + num_lookahead - self._num_tokens[seq.seq_id])
         return True
 
     def free(self, seq: Sequence) -> None:
@@ -173,6 +177,7 @@ class PagedCacheManager:
                 self._free[b] = None
                 self._num_cached += b in self._meta
         self._num_tokens.pop(seq.seq_id, None)
+        self._lookahead.pop(seq.seq_id, None)
         self._registered.pop(seq.seq_id, None)
 
     def fork(self, parent: Sequence, child: Sequence) -> int:
@@ -206,7 +211,9 @@ class PagedCacheManager:
         refs = [0] * self.num_blocks
         for sid, table in self._tables.items():
             assert len(table) == len(set(table)), f"seq {sid}: a block twice in one table"
-            assert len(table) == cdiv(self._num_tokens[sid], self.block_size), f"seq {sid}: table size"
+            tokens, extra = self._num_tokens[sid], self._lookahead.get(sid, 0)
+            assert cdiv(tokens, self.block_size) <= len(table) <= cdiv(tokens + extra, self.block_size), \
+                f"seq {sid}: table size"
             for b in table:
                 refs[b] += 1
         assert refs == self._ref, "reference counts disagree with the block tables"

@@ -56,6 +56,7 @@ class RadixCacheManager:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack
         self._tables: dict[int, list[int]] = {}
         self._num_tokens: dict[int, int] = {}
+        self._lookahead: dict[int, int] = {}  # slots held past the tokens for drafts (max so far)
         self._locked: dict[int, Node] = {}  # seq -> deepest node it locked (the path up is locked)
         self._copies: list[tuple[int, int, int]] = []
         self._clock = itertools.count(1)
@@ -251,6 +252,9 @@ class RadixCacheManager:
         self._locked.setdefault(seq.seq_id, self._root(seq.cache_salt))
         self._num_tokens[seq.seq_id] = max(self._num_tokens.get(seq.seq_id, 0),
                                            seq.num_computed_tokens + num_new_tokens)
+        if num_lookahead:
+            self._lookahead[seq.seq_id] = max(self._lookahead.get(seq.seq_id, 0), seq.num_computed_tokens
+                                              + num_new_tokens + num_lookahead - self._num_tokens[seq.seq_id])
         return True
 
     def _cache_computed(self, seq: Sequence) -> None:
@@ -267,6 +271,7 @@ class RadixCacheManager:
             self._pin_block(b, -1)
             self._release(b)
         self._num_tokens.pop(seq.seq_id, None)
+        self._lookahead.pop(seq.seq_id, None)
 
     def fork(self, parent: Sequence, child: Sequence) -> int:
         """Share what ``parent`` has computed: insert it, then claim it for ``child``."""
@@ -288,7 +293,9 @@ class RadixCacheManager:
     def check_integrity(self) -> None:
         refs = [0] * self.num_blocks
         for sid, table in self._tables.items():
-            assert len(table) == cdiv(self._num_tokens[sid], self.block_size), f"seq {sid}: table size"
+            tokens, extra = self._num_tokens[sid], self._lookahead.get(sid, 0)
+            assert cdiv(tokens, self.block_size) <= len(table) <= cdiv(tokens + extra, self.block_size), \
+                f"seq {sid}: table size"
             for b in table:
                 refs[b] += 1
         locks: dict[int, int] = {}

@@ -23,10 +23,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import structlog
+
 from tokenloom.core.interfaces import DecoderContext, DecoderOutput, SequenceOutput
 from tokenloom.core.runner import ForwardOutput
 from tokenloom.core.sequence import Batch, Sequence
 from tokenloom.plugins.decoders.verify import verify
+
+log = structlog.get_logger("tokenloom.decoders")
 
 #: drafts a sequence must keep per verifying step, on average, for drafting to go on
 MIN_GAIN = 0.35
@@ -53,6 +57,7 @@ class SharedStepDecoder:
         self._counters: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(
             ("steps", "drafting_steps", "drafted", "accepted", "emitted", "skipped", "paused"), 0))
         self._gain: dict[int, list] = {}
+        self.unavailable: dict[str, str] = {}  # decoder name -> why it could not be built
 
     # ---- what a subclass changes ----------------------------------------------------
     def propose(self, seqs: list[Sequence], outputs: DecoderOutput, forward: ForwardOutput) -> None:
@@ -61,6 +66,10 @@ class SharedStepDecoder:
         ``seq.token_ids``). ``standard`` proposes nothing."""
         for seq in seqs:
             seq.draft_token_ids = []
+
+    def discard(self, seq: Sequence, output: SequenceOutput) -> None:
+        """``seq`` verified ``output`` but proposes nothing next (paused or skipped): bring
+        per-sequence state up to date anyway (a draft model rolls its KV back)."""
 
     def num_speculative_tokens(self, seq: Sequence) -> int:
         k = seq.params.num_speculative_tokens
@@ -101,13 +110,24 @@ class SharedStepDecoder:
 
     # ---- the shared step ------------------------------------------------------------
     def proposer_for(self, seq: Sequence) -> SharedStepDecoder:
+        """The request's decoder, built on first use with its default options. One that
+        cannot be built (Medusa without heads, a decoder with its own step) is recorded in
+        :attr:`unavailable` and its requests decode plainly with this decoder — their output
+        is the same, only slower — while the engine refuses later requests naming it."""
         name = seq.params.decoder or self.name
         proposer = self._proposers.get(name)
         if proposer is None:
-            proposer = self.context.plugin_manager.get("decoder", name).factory(None, self.context)
-            if not isinstance(proposer, SharedStepDecoder):
-                raise TypeError(f"decoder {name!r} cannot be chosen per request: it does not share the step")
-            self._proposers[name] = proposer
+            if name in self.unavailable:
+                return self
+            try:
+                built = self.context.plugin_manager.get("decoder", name).factory(None, self.context)
+                if not isinstance(built, SharedStepDecoder):
+                    raise TypeError(f"decoder {name!r} cannot be chosen per request: it does not share the step")
+            except Exception as exc:  # noqa: BLE001 - one request's choice must not fail the step
+                self.unavailable[name] = f"{type(exc).__name__}: {exc}"
+                log.warning("decoder_unavailable", decoder=name, error=self.unavailable[name])
+                return self
+            proposer = self._proposers[name] = built
         return proposer
 
     def step(self, batch: Batch) -> DecoderOutput:
@@ -134,6 +154,7 @@ class SharedStepDecoder:
             c["emitted"] += len(out.token_ids)
             if not self._pays(seq, out):
                 seq.draft_token_ids, seq.draft_parents = [], None
+                proposer.discard(seq, out)
                 c["paused"] += 1
                 continue
             by_proposer[proposer].append(seq)
@@ -146,6 +167,7 @@ class SharedStepDecoder:
                 skip = [seq for seq in seqs if seq.params.seed is None]
                 for seq in skip:
                     seq.draft_token_ids = []
+                    proposer.discard(seq, result[seq])
                 self._counters[proposer.name]["skipped"] += len(skip)
                 seqs = [seq for seq in seqs if seq.params.seed is not None]
             if seqs:

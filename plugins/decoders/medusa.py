@@ -164,7 +164,11 @@ class MedusaDecoder(SharedStepDecoder):
         if not want or forward.hidden is None:
             return
         model = self.runner.model
-        rows = torch.tensor([starts[seq] + outputs[seq].num_accepted for seq, _ in want], device=forward.hidden.device)
+        # the row that produced the step's last token: the last accepted node's (a tree), or
+        # the one after the accepted drafts (a chain)
+        rows = torch.tensor([starts[seq] + (outputs[seq].accepted_nodes[-1] + 1 if outputs[seq].accepted_nodes
+                                            else outputs[seq].num_accepted) for seq, _ in want],
+                            device=forward.hidden.device)
         x = normalise(model, forward.hidden[rows])
         h = self.heads(x)  # [H, S, d]
         logits = model.lm_head.apply(h.reshape(-1, h.shape[-1]).to(model.dtype)).float()

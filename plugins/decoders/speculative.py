@@ -106,27 +106,37 @@ class SpeculativeDecoder(SharedStepDecoder):
             return None
         return st.probs[:k]
 
+    def _sync(self, seq: Sequence, out) -> _DraftState:
+        """After a step: adapt K, roll the draft's KV back to the prefix both models agree on,
+        and make the shadow's tokens the sequence's (with this step's new ones)."""
+        st = self._state(seq)
+        if out.num_drafted and self.adaptive and seq.params.num_speculative_tokens is None:
+            if out.num_accepted == out.num_drafted == st.num_drafted:  # all it proposed, kept
+                st.k = min(st.k + 1, self.max_k)
+            elif out.num_accepted * 2 < out.num_drafted:
+                st.k = max(st.k - 1, 1)
+        if st.num_drafted:  # proposed last time (verified, or dropped by the scheduler)
+            # Draft KV stays valid for the old tokens and the accepted drafts it was fed
+            # (all but the last draft were).
+            st.shadow.num_computed_tokens = min(st.shadow.num_computed_tokens,
+                                                seq.num_tokens + min(out.num_accepted, st.num_drafted - 1))
+        tokens = seq.token_ids + out.token_ids
+        st.shadow.token_ids = list(tokens)
+        st.shadow.num_computed_tokens = min(st.shadow.num_computed_tokens, len(tokens) - 1)
+        st.probs, st.num_drafted = None, 0
+        return st
+
+    def discard(self, seq: Sequence, output) -> None:
+        self._sync(seq, output)
+
     # ---- proposing ----------------------------------------------------------------------
     def propose(self, seqs: list[Sequence], outputs: DecoderOutput, forward: ForwardOutput) -> None:
         active: list[tuple[Sequence, _DraftState, int]] = []
         for seq in seqs:
             seq.draft_token_ids = []
             out = outputs[seq]
-            st = self._state(seq)
-            if out.num_drafted and self.adaptive and seq.params.num_speculative_tokens is None:
-                if out.num_accepted == out.num_drafted:
-                    st.k = min(st.k + 1, self.max_k)
-                elif out.num_accepted * 2 < out.num_drafted:
-                    st.k = max(st.k - 1, 1)
-            if st.num_drafted:  # proposed last time (verified or dropped by the scheduler)
-                # Draft KV stays valid for the old tokens and the accepted drafts it was fed
-                # (all but the last draft were).
-                st.shadow.num_computed_tokens = min(st.shadow.num_computed_tokens,
-                                                    seq.num_tokens + min(out.num_accepted, st.num_drafted - 1))
-            tokens = seq.token_ids + out.token_ids
-            st.shadow.token_ids = list(tokens)
-            st.shadow.num_computed_tokens = min(st.shadow.num_computed_tokens, len(tokens) - 1)
-            st.probs, st.num_drafted = None, 0
+            st = self._sync(seq, out)
+            tokens = list(st.shadow.token_ids)
             k = min(self.num_speculative_tokens(seq) if seq.params.num_speculative_tokens is not None else st.k,
                     seq.max_len - len(tokens) - 1)
             if k <= 0:

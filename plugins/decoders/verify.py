@@ -144,9 +144,11 @@ def accept_tree(p: torch.Tensor, drafts: list[int], parents: list[int], gen: tor
                 accepted = c
                 break
             if pt > 0:  # rejected: the residual of a one-hot draft is r without t
-                r = r.clone()
-                r[t] = 0.0
-                r = r / r.sum()
+                rest = r.clone()
+                rest[t] = 0.0
+                total = float(rest.sum())
+                if total > 0:  # else t held all the mass (rounding): keep r, t is then drawn
+                    r = rest / total
         if accepted is None:
             out.append(int(r.argmax()) if gen is None else _draw(r, gen))
             return out, path

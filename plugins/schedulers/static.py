@@ -37,9 +37,14 @@ class StaticScheduler(QueueScheduler):
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-        for seq in self.running:  # drafts always fit: the reservation covers max_len
+        for seq in self.running:
             n = seq.num_tokens - seq.num_computed_tokens
-            self._add_to_batch(batch, seq, n, *self.drafts_for(seq, n, seq.max_len))
+            drafts, parents = self.drafts_for(seq, n, seq.max_len)
+            # A chain fits the max_len reservation; a tree's nodes each take a slot and may
+            # not: then it needs more blocks, or it goes without drafts this step.
+            if drafts and not self.cache.allocate(seq, n, num_lookahead=len(drafts)):
+                drafts, parents = [], None
+            self._add_to_batch(batch, seq, n, drafts, parents)
         return self.finalize(batch)
 
 
