@@ -35,8 +35,9 @@ class TorchBackendOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
     # batches, 1.5-2.8x faster than MKL there on an AVX2 EPYC. "mkl" or "onednn" keep one.
     cpu_linear: str = "dual"
     # Quantised weights on CPU: above this many rows per matmul a dense copy (kept beside the
-    # int4/int8 one) is faster than the quantised kernel; 0 keeps the quantised one only.
-    quant_max_rows: int = 8
+    # int4/int8 one) is faster than the quantised kernel; 0 keeps the quantised one only;
+    # -1 measures the crossing per weight shape on this machine at load (backends/torch_linear.py).
+    quant_max_rows: int = -1
     # 8-bit weights with per-group scales (GGUF Q8_0) are re-quantised to one scale per row so
     # the int8 kernel can run them (a second rounding); false dequantises them instead.
     int8_regroup: bool = True

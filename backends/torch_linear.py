@@ -2,13 +2,16 @@
 
 Which kernel runs depends on the spec, the device and the batch:
 
-- dense fp32 on CPU: MKL GEMV on a [in, out] copy for <= 4 rows, oneDNN-packed GEMM above
-  (``cpu_linear = "dual"`` keeps both, 2x memory);
+- dense fp32 on CPU: MKL GEMV on a [in, out] copy for few rows, oneDNN-packed GEMM above
+  (``cpu_linear = "dual"`` keeps both, 2x memory, and times them per shape at load to find
+  where oneDNN starts winning: 4 rows on an AVX2 EPYC, fewer on a Zen 5);
 - dense bf16/fp16, or any dense weight on CUDA: ``F.linear``;
 - 4-bit group-quantised (GGUF Q4_0/Q4_1, RTN, GPTQ, AWQ) on CPU:
   ``torch._weight_int4pack_mm_for_cpu`` with bf16 activations (it has no fast fp32 path);
   above ``quant_max_rows`` rows (both quantised kernels) a dense copy in the engine dtype,
-  kept beside the quantised one, is used instead: the kernels are built for few rows;
+  kept beside the quantised one, is used instead: the kernels are built for few rows.
+  ``quant_max_rows = -1`` (the default) measures where that crossing lies on this machine,
+  per weight shape, at load (``_tuned``; `tokenloom bench kernels` prints the timings);
 - 8-bit per-channel symmetric on CPU: ``torch._weight_int8pack_mm`` (bf16 activations);
 - 8-bit with finer groups (GGUF Q8_0: SmolLM2's tied embedding and head) on CPU: with
   ``int8_regroup`` (default) re-quantised to one scale per row for that kernel — a second
@@ -18,6 +21,8 @@ Which kernel runs depends on the spec, the device and the batch:
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
@@ -45,10 +50,11 @@ class DenseLinear:
 class PackedLinear:
     """A CPU fp32 weight in the layout(s) the chosen GEMM wants."""
 
-    __slots__ = ("out_features", "in_features", "wt", "onednn", "kernel")
+    __slots__ = ("out_features", "in_features", "wt", "onednn", "kernel", "max_rows")
 
     def __init__(self, weight: torch.Tensor, mode: str):
         self.out_features, self.in_features = weight.shape
+        self.max_rows = 4  # "dual": MKL up to this many rows, oneDNN above (measured at load: _tuned_dual)
         self.wt = weight.t().contiguous() if mode in ("dual", "mkl") else None
         self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None) if mode in ("dual", "onednn") else None
         self.kernel = {"dual": "mkl-gemv+onednn (float32)", "mkl": "mkl (float32)", "onednn": "onednn (float32)"}[mode]
@@ -59,11 +65,17 @@ class PackedLinear:
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if self.onednn is None or (self.wt is not None and x2.shape[0] <= 4):
+        if self.onednn is None or (self.wt is not None and x2.shape[0] <= self.max_rows):
             out = torch.mm(x2, self.wt)
         else:
-            out = torch.ops.mkldnn._linear_pointwise(x2, self.onednn, None, "none", [], "")
+            out = self.by_onednn(x2)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def by_mkl(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch.mm(x2, self.wt)
+
+    def by_onednn(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x2, self.onednn, None, "none", [], "")
 
 
 class Int4Linear:
@@ -88,10 +100,12 @@ class Int4Linear:
         x2 = x.reshape(-1, x.shape[-1])
         if self.dense is not None and x2.shape[0] > self.max_rows:
             return self.dense.apply(x)
-        else:
-            out = torch._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed, self.group_size,
-                                                    self.scales_zeros)
-        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return self.quantised(x2).to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def quantised(self, x2: torch.Tensor) -> torch.Tensor:
+        """The 4-bit kernel itself on ``x2 [rows, in]``, whatever the row count."""
+        return torch._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed, self.group_size,
+                                                 self.scales_zeros)
 
     def nbytes(self) -> int:
         return self._nbytes
@@ -113,8 +127,11 @@ class Int8Linear:
         x2 = x.reshape(-1, x.shape[-1])
         if self.dense is not None and x2.shape[0] > self.max_rows:
             return self.dense.apply(x)
-        out = torch._weight_int8pack_mm(x2.to(torch.bfloat16), self.weight, self.scales)
-        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return self.quantised(x2).to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def quantised(self, x2: torch.Tensor) -> torch.Tensor:
+        """The int8 kernel itself on ``x2 [rows, in]``, whatever the row count."""
+        return torch._weight_int8pack_mm(x2.to(torch.bfloat16), self.weight, self.scales)
 
     def nbytes(self) -> int:
         return self.weight.numel() + self.scales.numel() * 2
@@ -140,23 +157,79 @@ def pack(spec: WeightSpec, dtype: torch.dtype, *, cpu_linear: str, quant_max_row
         out, inp = spec.shape
 
         def dense():  # the copy used above quant_max_rows, built only for a quantised kernel
-            return _dense(spec.dequantize(dtype), cpu_linear, "") if quant_max_rows > 0 else None
+            return _dense(spec.dequantize(dtype), cpu_linear, "") if quant_max_rows != 0 else None
 
         if spec.bits == 4 and spec.group_size in INT4_GROUP_SIZES and inp % spec.group_size == 0 and out % 16 == 0:
-            return Int4Linear(spec, quant_max_rows, dense())
+            return _tuned(Int4Linear(spec, quant_max_rows, dense()), quant_max_rows, ("int4", spec.group_size), dtype)
         if is_int8_per_channel(spec):
-            return Int8Linear(spec, quant_max_rows, dense())
+            return _tuned(Int8Linear(spec, quant_max_rows, dense()), quant_max_rows, ("int8",), dtype)
         if spec.bits == 8 and int8_regroup:
-            return Int8Linear(per_channel_int8(spec), quant_max_rows, dense(),
-                              f"int8pack_mm (bf16 act; int8 g{spec.group_size} re-grouped)")
+            return _tuned(Int8Linear(per_channel_int8(spec), quant_max_rows, dense(),
+                                     f"int8pack_mm (bf16 act; int8 g{spec.group_size} re-grouped)"),
+                          quant_max_rows, ("int8",), dtype)
     return _dense(dequantize(spec, dtype), cpu_linear, "" if isinstance(spec, torch.Tensor) else
                   f"dequantised {_kind(spec)} -> ")
+
+
+#: row counts at which `quant_max_rows = -1` times the quantised kernel against the dense copy
+TUNE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+#: what those measurements found in this process, for `tokenloom bench kernels`:
+#: (kind..., out, in, dtype) -> {"rows", "quantised_us", "dense_us", "max_rows"}
+KERNEL_TIMINGS: dict[tuple, dict] = {}
+
+
+def _median_us(fn, x: torch.Tensor, reps: int = 9) -> float:
+    for _ in range(2):
+        fn(x)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[reps // 2] * 1e6
+
+
+def _tuned(lw, quant_max_rows: int, kind: tuple, dtype: torch.dtype):
+    """``quant_max_rows = -1``: time the quantised kernel and the dense copy for this weight's
+    shape at TUNE_ROWS rows (once per shape and dtype in a process) and use the quantised
+    one up to the largest row count below the first where the dense copy wins."""
+    if quant_max_rows >= 0 or lw.dense is None:
+        return lw
+    key = (*kind, lw.out_features, lw.in_features, str(dtype).removeprefix("torch."))
+    lw.max_rows = _crossing(key, lw.quantised, lw.dense.apply, lw.in_features, dtype)
+    lw.kernel = lw.kernel.split(" / dense above")[0] + f" / dense above {lw.max_rows} rows (measured)"
+    return lw
+
+
+def _crossing(key: tuple, first, second, in_features: int, dtype: torch.dtype) -> int:
+    """The largest of TUNE_ROWS up to which ``first`` is no slower than ``second`` (0: never),
+    timed once per ``key`` in a process and kept in KERNEL_TIMINGS."""
+    found = KERNEL_TIMINGS.get(key)
+    if found is None:
+        a_us, b_us = [], []
+        with torch.inference_mode():
+            for rows in TUNE_ROWS:
+                x = torch.randn(rows, in_features, dtype=dtype)
+                a_us.append(_median_us(first, x))
+                b_us.append(_median_us(second, x))
+        max_rows = 0
+        for rows, a, b in zip(TUNE_ROWS, a_us, b_us, strict=True):
+            if a > b:
+                break
+            max_rows = rows
+        found = KERNEL_TIMINGS[key] = {"rows": list(TUNE_ROWS), "quantised_us": a_us, "dense_us": b_us,
+                                       "max_rows": max_rows}
+    return found["max_rows"]
 
 
 def _dense(weight: torch.Tensor, cpu_linear: str, label: str):
     if weight.dtype == torch.float32 and weight.device.type == "cpu":
         packed = PackedLinear(weight, cpu_linear)
         packed.kernel = label + packed.kernel
+        if cpu_linear == "dual":  # where MKL's GEMV stops beating oneDNN's GEMM, on this machine
+            key = ("fp32 mkl-vs-onednn", packed.out_features, packed.in_features, "float32")
+            packed.max_rows = _crossing(key, packed.by_mkl, packed.by_onednn, packed.in_features, torch.float32)
+            packed.kernel = label + f"mkl up to {packed.max_rows} rows, onednn above (float32, measured)"
         return packed
     return DenseLinear(weight, label + "F.linear")
 

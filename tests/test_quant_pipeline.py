@@ -39,12 +39,35 @@ def test_native_gguf_4bit_matches_the_dequantised_model(tmp_path, tiny_hf_model,
 def test_batches_above_quant_max_rows_use_the_dense_copy(tmp_path, tiny_hf_model):
     path = tmp_path / "tiny.gguf"
     write_gguf(path, tiny_hf_model, Q.Q4_1)
-    with LLM(model=str(path), dtype="float32", num_kv_blocks=16) as llm:
+    with LLM(model=str(path), dtype="float32", num_kv_blocks=16, backend={"name": "torch", "quant_max_rows": 8}) as llm:
         w = llm.engine.runner.model.layers[0].gate_up
         big = torch.randn(40, w.in_features)
         by_int4 = torch.cat([w.apply(big[i:i + 8]) for i in range(0, 40, 8)])  # <= 8 rows: the 4-bit kernel
+        assert torch.equal(by_int4[:8], w.quantised(big[:8]).float())
         assert torch.allclose(w.apply(big), by_int4, rtol=2e-2, atol=2e-2)  # > 8 rows: the dense copy, same values
-        assert w.dense.kernel.startswith("mkl-gemv+onednn (float32)")  # the engine dtype's best dense path
+        assert torch.equal(w.apply(big), w.dense.apply(big))
+        assert "onednn above (float32, measured)" in w.dense.kernel  # the engine dtype's best dense path
+
+
+def test_the_crossing_to_the_dense_copy_is_measured_per_shape(tmp_path, tiny_hf_model):
+    from tokenloom.backends.torch_linear import KERNEL_TIMINGS
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_hf_model, Q.Q4_1)
+    KERNEL_TIMINGS.clear()
+    with LLM(model=str(path), dtype="float32", num_kv_blocks=16) as llm:  # quant_max_rows = -1 by default
+        layer = llm.engine.runner.model.layers[0]
+        for name in ("qkv", "o", "gate_up", "down"):
+            w = getattr(layer, name)
+            t = KERNEL_TIMINGS[("int4", w.group_size, w.out_features, w.in_features, "float32")]
+            assert w.kernel.endswith(f"dense above {w.max_rows} rows (measured)") and w.max_rows == t["max_rows"]
+            # the quantised kernel is kept exactly while it was measured no slower, row count by row count
+            kept = [r for r, q, d in zip(t["rows"], t["quantised_us"], t["dense_us"], strict=True) if r <= w.max_rows]
+            assert all(q <= d for r, q, d in zip(t["rows"], t["quantised_us"], t["dense_us"], strict=True)
+                       if r in kept)
+            if w.max_rows < t["rows"][-1]:
+                i = t["rows"].index(w.max_rows) + 1 if w.max_rows else 0
+                assert t["quantised_us"][i] > t["dense_us"][i]
 
 
 def test_unknown_quantizer_names_the_known_ones(tmp_path, tiny_hf_model):

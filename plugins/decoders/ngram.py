@@ -22,7 +22,7 @@ from tokenloom.plugins.decoders.base import SharedStepDecoder
 
 
 class NgramOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    num_speculative_tokens: int = 5  # K: draft tokens per step
+    num_speculative_tokens: int = 3  # K: draft tokens per step (3 + the last token = the 4-bit kernel tile)
     prompt_lookup_max: int = 4  # longest suffix n-gram looked up
     prompt_lookup_min: int = 2  # shortest; 1 matches almost anywhere and drafts mostly noise
     max_batch: int = 8  # more sampling sequences than this in a step: no drafts (it would cost more)

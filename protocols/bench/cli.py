@@ -50,6 +50,11 @@ def add_bench_parser(sub) -> None:
     qu.set_defaults(func=cmd_quant)
     _add_serve_bench(bsub)
 
+    ke = bsub.add_parser("kernels", help="quantised kernels vs their dense copies, timed on this machine")
+    ke.add_argument("--json", metavar="FILE")
+    add_engine_args(ke)
+    ke.set_defaults(func=cmd_kernels)
+
     sp = bsub.add_parser("spec", help="speculative decoders vs standard at batch 1: speed, acceptance, predicted")
     sp.add_argument("--decoders", default="ngram", help="comma list of decoders to compare with standard")
     sp.add_argument("--k", type=int, default=None, help="draft tokens per step (default: each decoder's own)")
@@ -149,6 +154,11 @@ def cmd_offline(args: argparse.Namespace) -> int:
 
 def cmd_decode(args: argparse.Namespace) -> int:
     _report(args, "decode", "run_decode", "format_decode")
+    return 0
+
+
+def cmd_kernels(args: argparse.Namespace) -> int:
+    _report(args, "kernels", "run_kernels", "format_kernels")
     return 0
 
 
