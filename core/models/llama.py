@@ -35,7 +35,8 @@ def rope_cache(cfg: ModelConfig, max_len: int, device) -> tuple[torch.Tensor, to
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, head_dim] float32; cos/sin: [T, 1, head_dim]
+    # x: [T, heads, head_dim] in the weight dtype; cos/sin: [T, 1, head_dim] float32, so the
+    # result is float32 whatever x is
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -55,18 +56,21 @@ class LlamaLayer(nn.Module):
         cfg, dtype = self.cfg, self.dtype
         T = h.shape[0]
         x = backend.rms_norm(h, self.input_norm, cfg.rms_norm_eps).to(dtype)
-        qkv = self.qkv.apply(x).float()
-        # q and k rotate together: one RoPE over [T, heads + kv_heads, head_dim]
+        qkv = self.qkv.apply(x)
+        # q and k rotate together: one RoPE over [T, heads + kv_heads, head_dim], in float32
+        # (the float32 cos/sin promote a bf16 qkv: the same values as converting it first,
+        # without a copy op)
         qk = apply_rope(qkv[:, :cfg.q_size + cfg.kv_size].view(T, -1, cfg.head_dim), cos, sin)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-        v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
-        k, v, q = k.to(dtype), v.to(dtype), q.to(dtype)  # the backend quantises K/V in write_kv if asked
+        v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim).to(dtype)
+        k, q = k.to(dtype), q.to(dtype)  # the backend quantises K/V in write_kv if asked
         backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         attn = backend.attention(q, k, v, k_cache, v_cache, meta, cfg.head_dim**-0.5)
-        h = h + self.o.apply(attn.reshape(T, cfg.q_size).to(dtype)).float()
+        # float32 h + a bf16 matmul output adds in float32 (type promotion): no copy op
+        h = h + self.o.apply(attn.reshape(T, cfg.q_size).to(dtype))
         x = backend.rms_norm(h, self.post_norm, cfg.rms_norm_eps).to(dtype)
         gate, up = self.gate_up.apply(x).chunk(2, dim=-1)
-        return h + self.down.apply(backend.silu_mul(gate, up)).float()
+        return h + self.down.apply(backend.silu_mul(gate, up))
 
 
 class LlamaModel(nn.Module):
