@@ -78,7 +78,19 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x2, self.onednn, None, "none", [], "")
 
 
-class Int4Linear:
+class _QuantisedLinear:
+    """A quantised kernel for few rows, and the dense copy (when kept) for more."""
+
+    __slots__ = ()
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.dense is not None and x2.shape[0] > self.max_rows:
+            return self.dense.apply(x)
+        return self.quantised(x2).to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(_QuantisedLinear):
     """4-bit codes packed for torch's CPU int4 kernel: w = (q - 8) * scale + zero' per group,
     where zero' = (8 - zero) * scale turns our zero points into the kernel's form."""
 
@@ -96,12 +108,6 @@ class Int4Linear:
         self._nbytes = qw.nbytes()
         self.kernel = "int4pack_mm (bf16 act)" + (f" / dense above {max_rows} rows" if max_rows > 0 else "")
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        if self.dense is not None and x2.shape[0] > self.max_rows:
-            return self.dense.apply(x)
-        return self.quantised(x2).to(x.dtype).view(*x.shape[:-1], self.out_features)
-
     def quantised(self, x2: torch.Tensor) -> torch.Tensor:
         """The 4-bit kernel itself on ``x2 [rows, in]``, whatever the row count."""
         return torch._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed, self.group_size,
@@ -111,7 +117,7 @@ class Int4Linear:
         return self._nbytes
 
 
-class Int8Linear:
+class Int8Linear(_QuantisedLinear):
     """Symmetric 8-bit per output channel for torch's CPU int8 weight-only kernel."""
 
     __slots__ = ("weight", "scales", "out_features", "in_features", "dense", "max_rows", "kernel")
@@ -122,12 +128,6 @@ class Int8Linear:
         self.scales = qw.scales[:, 0].to(torch.bfloat16).contiguous()
         self.max_rows, self.dense = max_rows, dense
         self.kernel = kernel + (f" / dense above {max_rows} rows" if dense is not None else "")
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        if self.dense is not None and x2.shape[0] > self.max_rows:
-            return self.dense.apply(x)
-        return self.quantised(x2).to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def quantised(self, x2: torch.Tensor) -> torch.Tensor:
         """The int8 kernel itself on ``x2 [rows, in]``, whatever the row count."""

@@ -36,7 +36,7 @@ class Sampler:
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._apply_penalties(logits, seqs)
+        logits = self.apply_penalties(logits, seqs)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if random_rows:
@@ -58,7 +58,7 @@ class Sampler:
                 logprobs[i] = TokenLogprob(token_list[i], row[token_list[i]].item(), top)
         return token_list, logprobs
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0
                 or s.params.presence_penalty or s.params.frequency_penalty]
         if not rows:
@@ -82,7 +82,7 @@ class Sampler:
     def probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The distribution each row's token is drawn from: [B, V], rows sum to 1.
 
-        ``logits`` are already penalised (see ``_apply_penalties``). Temperature, then top-k and
+        ``logits`` are already penalised (see ``apply_penalties``). Temperature, then top-k and
         top-p on the scaled logits, then min-p on the probabilities. A greedy row is a one-hot
         at the argmax, as ``__call__`` picks it. Public so tests can check every sampled token
         against the distribution it came from.
@@ -112,13 +112,13 @@ class Sampler:
         probs = self.probs(logits, seqs)
         noise = torch.empty_like(probs)
         for i, s in enumerate(seqs):
-            noise[i].exponential_(generator=self._generator_for(s))
+            noise[i].exponential_(generator=self.generator_for(s))
         # A zero draw would make 0/0 = nan, which argmax picks: clamp it to the smallest normal
         # float (a change of ~1e-38 in probability) so a token of probability 0 never wins.
         noise.clamp_min_(torch.finfo(noise.dtype).tiny)
         return (probs / noise).argmax(dim=-1)
 
-    def _generator_for(self, seq: Sequence) -> torch.Generator:
+    def generator_for(self, seq: Sequence) -> torch.Generator:
         if seq.params.seed is None:
             return self.generator
         gen = self._seq_generators.get(seq.seq_id)

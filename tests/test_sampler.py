@@ -83,14 +83,14 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative():
     seq = _seq(tokens=[0, 1], temperature=0, repetition_penalty=2.0)
     tokens, _ = Sampler()(logits, [seq])
     assert tokens == [2]
-    penalised = Sampler()._apply_penalties(logits, [seq])
+    penalised = Sampler().apply_penalties(logits, [seq])
     assert penalised[0].tolist() == pytest.approx([1.0, -4.0, 1.9, -2.1])
 
 
 def test_presence_and_frequency_penalties_use_output_counts():
     logits = torch.zeros(1, 4)
     seq = _seq(tokens=[3, 1, 1, 2], n_prompt=1, presence_penalty=0.5, frequency_penalty=0.25)
-    out = Sampler()._apply_penalties(logits, [seq])[0].tolist()
+    out = Sampler().apply_penalties(logits, [seq])[0].tolist()
     # prompt token 3 untouched; token 1 twice in output; token 2 once
     assert out == pytest.approx([0.0, -(0.5 + 0.5), -(0.5 + 0.25), 0.0])
 
@@ -124,7 +124,7 @@ def test_tiny_values_give_the_top_token(params, logits):
 def test_probs_is_what_is_sampled():
     seq = _seq(tokens=[0, 3], temperature=0.8, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.3)
     sampler = Sampler(6)
-    dist = sampler.probs(sampler._apply_penalties(LOGITS, [seq]), [seq])[0]
+    dist = sampler.probs(sampler.apply_penalties(LOGITS, [seq]), [seq])[0]
     assert dist.sum().item() == pytest.approx(1.0)
     assert dist[5] == 0  # below min_p (and outside top_k)
     _assert_close_to(_histogram(sampler, LOGITS, seq), dist)

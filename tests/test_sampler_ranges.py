@@ -61,7 +61,7 @@ def test_every_accepted_value_samples_from_a_real_distribution(params, vocab, sc
     seq.num_prompt_tokens = 1 + history // 2  # the rest is output: presence/frequency apply
     sampler = Sampler(rng_seed)
 
-    penalised = sampler._apply_penalties(logits, [seq])
+    penalised = sampler.apply_penalties(logits, [seq])
     assert torch.isfinite(penalised).all()
     dist = sampler.probs(penalised, [seq])[0]
     assert torch.isfinite(dist).all() and (dist >= 0).all()

@@ -76,7 +76,7 @@ class LossyPlugin:
                             break
                         toks.append(tok)
                     row = p[len(toks)]
-                    gen = self.runner.sampler._generator_for(seq)
+                    gen = self.runner.sampler.generator_for(seq)
                     nxt = int(row.argmax()) if seq.params.greedy else int(torch.multinomial(row, 1, generator=gen))
                     outs.append(SequenceOutput(toks + [nxt], num_accepted=len(toks), num_drafted=len(d)))
                 return outs

@@ -22,7 +22,7 @@ step emits between 1 and k + 1 tokens and the output distribution never changes.
 requests (one-hot ``p``) reduce to "keep drafts while they equal the target's argmax, then
 emit the argmax": token-identical to plain greedy decoding.
 
-Randomness comes from the request's own generator (``Sampler._generator_for``), so a
+Randomness comes from the request's own generator (``Sampler.generator_for``), so a
 seeded request's draws do not depend on the rest of the batch. A sequence with no drafts
 takes the sampler's ordinary path, unchanged.
 
@@ -76,7 +76,7 @@ def _contexts(seq: Sequence, drafts: list[int], parents: list[int] | None) -> li
 
 def target_probs(sampler: Sampler, logits: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
     """``[R, V]``: each row's sampling distribution, every sampling parameter applied."""
-    return sampler.probs(sampler._apply_penalties(logits, rows), rows)
+    return sampler.probs(sampler.apply_penalties(logits, rows), rows)
 
 
 def _draw(probs: torch.Tensor, gen: torch.Generator) -> int:
@@ -197,7 +197,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], num_row
         for i in spec:
             seq, k = seqs[i], len(drafts[i])
             p = probs[at:at + k + 1]
-            gen = None if seq.params.greedy else sampler._generator_for(seq)
+            gen = None if seq.params.greedy else sampler.generator_for(seq)
             q = draft_probs[i] if draft_probs is not None else None
             nodes = None
             if parents_of[i] is not None:
