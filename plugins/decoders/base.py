@@ -152,6 +152,8 @@ class SharedStepDecoder:
             c["drafted"] += out.num_drafted
             c["accepted"] += out.num_accepted
             c["emitted"] += len(out.token_ids)
+            if type(proposer).propose is SharedStepDecoder.propose:
+                continue  # plain decoding: nothing to propose, no drafts to pause (the hot path)
             if not self._pays(seq, out):
                 seq.draft_token_ids, seq.draft_parents = [], None
                 proposer.discard(seq, out)
