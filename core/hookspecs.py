@@ -69,8 +69,12 @@ def register_decoders(register):
 
     :param register: as for :func:`register_schedulers`; ``factory(options, context)``, with
         a frozen :class:`tokenloom.core.interfaces.DecoderContext` (engine config, plugin
-        manager, model config, cache manager, model runner), returns a
-        :class:`tokenloom.core.interfaces.Decoder`.
+        manager, model config, cache manager, model runner, ``load_model`` for a second
+        checkpoint with its own KV pool, the model's name), returns a
+        :class:`tokenloom.core.interfaces.Decoder`. A decoder that subclasses
+        ``tokenloom.plugins.decoders.base.SharedStepDecoder`` only proposes drafts (the shared
+        step verifies them exactly) and can be chosen per request (``params.decoder``);
+        ``tokenloom.testing.check_decoder`` is the conformance kit for it.
     :returns: nothing; results are ignored.
     """
 
