@@ -31,6 +31,7 @@ from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 __all__ = ["KIT_PROMPT", "KIT_SAMPLING", "ConformanceError", "check_blocks_back", "check_decoder",
@@ -161,8 +162,8 @@ def check_greedy_identical(llm, decoder: str, prompts: Seq[list[int] | str], max
     from tokenloom.core.sampling_params import SamplingParams
 
     base = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    want = llm.generate(list(prompts), msgspec_replace(base, decoder="standard"))
-    got = llm.generate(list(prompts), msgspec_replace(base, decoder=decoder))
+    want = llm.generate(list(prompts), msgspec.structs.replace(base, decoder="standard"))
+    got = llm.generate(list(prompts), msgspec.structs.replace(base, decoder=decoder))
     for i, (a, b) in enumerate(zip(want, got, strict=True)):
         if a.token_ids != b.token_ids:
             first = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)) if x != y),
@@ -182,7 +183,7 @@ def check_distribution(llm, decoder: str, *, prompt: list[int] = KIT_PROMPT, sam
     exact = exact_marginals(llm, prompt, params, depth)
     # Generate past ``depth``: a decoder may not draft beyond max_tokens, and the positions
     # checked should be ones it drafted for.
-    outs = llm.generate([list(prompt)] * draws, msgspec_replace(params, max_tokens=depth + 8))
+    outs = llm.generate([list(prompt)] * draws, msgspec.structs.replace(params, max_tokens=depth + 8))
     vocab = exact[0].numel()
     pvalues = []
     for pos in range(depth):
@@ -227,9 +228,3 @@ def check_decoder(decoder: str, *, model_dir: str | Path, plugins: Seq[Any] = ()
             check_blocks_back(llm)
         report["stats"] = {k: v for k, v in llm.engine.stats().items() if k.startswith("decoder_")}
     return report
-
-
-def msgspec_replace(params, **changes):
-    import msgspec
-
-    return msgspec.structs.replace(params, **changes)

@@ -34,7 +34,7 @@ def add_bench_parser(sub) -> None:
     add_engine_args(dec)
     dec.add_argument("--rounds", type=int, default=1,
                      help="measure every variant N times, interleaved, and report medians (a noisy machine)")
-    dec.set_defaults(func=cmd_decode)
+    dec.set_defaults(func=_bench("decode"))
 
     qu = bsub.add_parser("quant", help="quantisation methods side by side: size, perplexity, decode tok/s")
     qu.add_argument("--methods", default="none,gguf,int8,rtn,fp8",
@@ -47,13 +47,13 @@ def add_bench_parser(sub) -> None:
     qu.add_argument("--gen", type=int, default=64, help="tokens generated per sequence")
     qu.add_argument("--json", metavar="FILE")
     add_engine_args(qu)
-    qu.set_defaults(func=cmd_quant)
+    qu.set_defaults(func=_bench("quant"))
     _add_serve_bench(bsub)
 
     ke = bsub.add_parser("kernels", help="quantised kernels vs their dense copies, timed on this machine")
     ke.add_argument("--json", metavar="FILE")
     add_engine_args(ke)
-    ke.set_defaults(func=cmd_kernels)
+    ke.set_defaults(func=_bench("kernels"))
 
     sp = bsub.add_parser("spec", help="speculative decoders vs standard at batch 1: speed, acceptance, predicted")
     sp.add_argument("--decoders", default="ngram", help="comma list of decoders to compare with standard")
@@ -61,7 +61,7 @@ def add_bench_parser(sub) -> None:
     sp.add_argument("--max-tokens", type=int, default=128)
     sp.add_argument("--json", metavar="FILE")
     add_engine_args(sp)
-    sp.set_defaults(func=cmd_spec)
+    sp.set_defaults(func=_bench("spec"))
 
     pe = bsub.add_parser("peers", help="the offline workload through tokenloom, llama.cpp and transformers")
     pe.add_argument("--num-requests", type=int, default=64)
@@ -90,7 +90,7 @@ def add_bench_parser(sub) -> None:
     px.add_argument("--workload-seed", type=int, default=0)
     px.add_argument("--json", metavar="FILE")
     add_engine_args(px)
-    px.set_defaults(func=cmd_prefix)
+    px.set_defaults(func=_bench("prefix"))
 
 
 def _add_serve_bench(bsub) -> None:
@@ -137,9 +137,14 @@ def _report(args: argparse.Namespace, module: str, run: str, fmt: str, plot: str
     return report
 
 
-def cmd_prefix(args: argparse.Namespace) -> int:
-    _report(args, "prefix", "run_prefix", "format_prefix")
-    return 0
+def _bench(module: str):
+    """The command of a bench whose module has ``run_<module>`` and ``format_<module>``."""
+
+    def cmd(args: argparse.Namespace) -> int:
+        _report(args, module, f"run_{module}", f"format_{module}")
+        return 0
+
+    return cmd
 
 
 def cmd_peers(args: argparse.Namespace) -> int:
@@ -150,23 +155,3 @@ def cmd_peers(args: argparse.Namespace) -> int:
 def cmd_offline(args: argparse.Namespace) -> int:
     report = _report(args, "offline", "run_offline", "format_table", plot="plot_offline")
     return 0 if all(r["failed"] == 0 for r in report["results"]) else 1
-
-
-def cmd_decode(args: argparse.Namespace) -> int:
-    _report(args, "decode", "run_decode", "format_decode")
-    return 0
-
-
-def cmd_kernels(args: argparse.Namespace) -> int:
-    _report(args, "kernels", "run_kernels", "format_kernels")
-    return 0
-
-
-def cmd_spec(args: argparse.Namespace) -> int:
-    _report(args, "spec", "run_spec", "format_spec")
-    return 0
-
-
-def cmd_quant(args: argparse.Namespace) -> int:
-    _report(args, "quant", "run_quant", "format_quant")
-    return 0
