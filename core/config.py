@@ -36,6 +36,8 @@ DEFAULT_STRATEGIES = {
     "backend": "torch",
     "quantizer": None,
 }
+# `tokenloom serve` mounts these unless `[frontends] enabled` says otherwise (each on its port)
+DEFAULT_FRONTENDS = ("websocket", "openai")
 
 
 class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -75,6 +77,8 @@ class EngineConfig:
     decoder: StrategyConfig = field(default_factory=lambda: StrategyConfig("standard"))
     backend: StrategyConfig = field(default_factory=lambda: StrategyConfig("torch"))
     quantizer: StrategyConfig | None = None
+    # what `tokenloom serve` mounts, in order; the engine itself never reads it
+    frontends: list[StrategyConfig] = field(default_factory=lambda: [StrategyConfig(n) for n in DEFAULT_FRONTENDS])
 
     def selection(self) -> dict[str, str | None]:
         return {
@@ -88,6 +92,11 @@ class EngineConfig:
             strategy = getattr(self, role)
             if strategy is not None:
                 out[role] = strategy.to_dict()
+        fronts: dict[str, Any] = {"enabled": [f.name for f in self.frontends]}
+        for f in self.frontends:
+            if f.options is not None:
+                fronts[f.name] = msgspec.to_builtins(f.options)
+        out["frontends"] = fronts
         return out
 
     def to_toml(self) -> str:
@@ -115,6 +124,15 @@ def merge_layers(*layers: Mapping[str, Any]) -> dict[str, Any]:
                 if "name" in value and prev.get("name") not in (None, value["name"]):
                     prev = {}
                 out[key] = {**prev, **copy.deepcopy(value)}
+            elif key == "frontends" and isinstance(value, Mapping):  # a frontend's table merges key by key
+                prev = out.get(key) if isinstance(out.get(key), Mapping) else {}
+                merged = dict(prev)
+                for name, sub in value.items():
+                    if isinstance(sub, Mapping) and isinstance(prev.get(name), Mapping):
+                        merged[name] = {**prev[name], **copy.deepcopy(dict(sub))}
+                    else:
+                        merged[name] = copy.deepcopy(sub)
+                out[key] = merged
             else:
                 out[key] = copy.deepcopy(value)
     return out
@@ -124,6 +142,7 @@ def build_config(pm: PluginManager, *layers: Mapping[str, Any]) -> EngineConfig:
     """Validate merged layers into an :class:`EngineConfig`; errors name the key."""
     raw = merge_layers(*layers)
     role_tables = {role: raw.pop(role) for role in list(raw) if role in SELECTABLE_ROLES}
+    frontends_table = raw.pop("frontends", {})
     for key in list(raw):
         if key in ROLES:  # e.g. model_format: chosen by the checkpoint, not by config
             raise ConfigError(f"{ROLE_LABELS[key]} cannot be selected in the config")
@@ -146,14 +165,46 @@ def build_config(pm: PluginManager, *layers: Mapping[str, Any]) -> EngineConfig:
         entry = pm.get(role, name)
         setattr(config, role, StrategyConfig(name, _convert_options(role, name, entry.options, table)))
     pm.check_combination(config.selection())
+    config.frontends = _frontends(pm, frontends_table)
     return config
 
 
-def _convert_options(role: str, name: str, options_type: type | None, table: dict) -> Any:
+def _frontends(pm: PluginManager, table: Any) -> list[StrategyConfig]:
+    """``[frontends]``: ``enabled`` (names, in mounting order) and one ``[frontends.<name>]``
+    options table per enabled frontend."""
+    if not isinstance(table, Mapping):
+        raise ConfigError("frontends must be a table: enabled = [...] and [frontends.<name>] options")
+    table = dict(table)
+    enabled = table.pop("enabled", list(DEFAULT_FRONTENDS))
+    if isinstance(enabled, str):
+        enabled = [n.strip() for n in enabled.split(",") if n.strip()]
+    if not isinstance(enabled, list) or not all(isinstance(n, str) for n in enabled):
+        raise ConfigError(f"frontends.enabled must be a list of frontend names, got {enabled!r}")
+    if len(set(enabled)) != len(enabled):
+        raise ConfigError(f"frontends.enabled names a frontend twice: {enabled}")
+    out = []
+    for name in enabled:
+        entry = pm.get("frontend", name)
+        options = table.pop(name, {})
+        if not isinstance(options, Mapping):
+            raise ConfigError(f"frontends.{name} must be a table of options, got {options!r}")
+        out.append(StrategyConfig(name, _convert_options(f"frontends.{name}", name, entry.options, dict(options),
+                                                            label="frontend")))
+    for key in table:
+        if key in pm.entries("frontend"):
+            raise ConfigError(f"options given for frontend {key!r}, which frontends.enabled does not name")
+        raise ConfigError(f"unknown key frontends.{key}; known: enabled, {', '.join(sorted(pm.entries('frontend')))}")
+    return out
+
+
+def _convert_options(role: str, name: str, options_type: type | None, table: dict,
+                     label: str | None = None) -> Any:
+    """``role`` prefixes the keys in messages (``scheduler``, ``frontends.openai``)."""
+    label = label or ROLE_LABELS[role]
     if options_type is None:
         if table:
             key = next(iter(table))
-            raise ConfigError(f"unknown key {role}.{key}: {ROLE_LABELS[role]} {name!r} takes no options")
+            raise ConfigError(f"unknown key {role}.{key}: {label} {name!r} takes no options")
         return None
     try:
         return msgspec.convert(table, options_type, strict=False)
@@ -163,9 +214,9 @@ def _convert_options(role: str, name: str, options_type: type | None, table: dic
             key = msg.split("`")[1] if "`" in msg else "?"
             known = ", ".join(options_type.__struct_fields__)
             raise ConfigError(
-                f"unknown key {role}.{key} for {ROLE_LABELS[role]} {name!r}; known: {known}"
+                f"unknown key {role}.{key} for {label} {name!r}; known: {known}"
             ) from None
-        raise ConfigError(f"invalid option for {ROLE_LABELS[role]} {name!r}: {msg}") from None
+        raise ConfigError(f"invalid option for {label} {name!r}: {msg}") from None
 
 
 def _check_engine(e: EngineOptions) -> None:
@@ -204,14 +255,15 @@ def nested(dotted_key: str, value: Any) -> dict[str, Any]:
     return out
 
 
-def dump_toml(data: Mapping[str, Any]) -> str:
-    """A small TOML writer for flat keys plus one level of tables (all a config needs)."""
-    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, Mapping)]
+def dump_toml(data: Mapping[str, Any], prefix: str = "") -> str:
+    """A small TOML writer: keys, then tables and their sub-tables (all a config needs)."""
+    # TOML has no null: a None is left out, which reads back as the option's default (None)
+    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, Mapping) and v is not None]
     for key, table in data.items():
         if isinstance(table, Mapping):
-            lines.append(f"\n[{key}]")
-            lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
-    return "\n".join(lines) + "\n"
+            lines.append(f"\n[{prefix}{key}]")
+            lines.append(dump_toml(table, f"{prefix}{key}.").rstrip("\n"))
+    return "\n".join(line for line in lines if line) + "\n"
 
 
 def _toml_value(v: Any) -> str:

@@ -105,6 +105,24 @@ def register_model_formats(register):
 
 
 @hookspec
+def register_frontends(register):
+    """Register frontends: the ways in to a served engine (WebSocket, OpenAI HTTP, ...).
+
+    Called once per plugin manager, at start-up. ``tokenloom serve`` mounts every frontend
+    that ``[frontends] enabled`` names, all over one engine, each on its own port.
+
+    :param register: as for :func:`register_schedulers`; ``factory(options, context)``, with
+        ``options`` this frontend's ``[frontends.<name>]`` table converted to its options
+        Struct and a :class:`tokenloom.core.interfaces.FrontendContext` (the engine, the bind
+        address, and the gateway every frontend shares: API key, Origin rules, queue limit,
+        rate limits, metrics, draining), returns a
+        :class:`tokenloom.core.interfaces.Frontend`. Import heavy dependencies (an HTTP
+        framework) inside the factory, not at module import.
+    :returns: nothing; results are ignored.
+    """
+
+
+@hookspec
 def engine_started(config, engine):
     """The engine has loaded its model and built its strategies.
 

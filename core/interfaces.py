@@ -9,6 +9,8 @@ from typing import Any, Protocol, runtime_checkable
 from tokenloom.core.sequence import Batch, Sequence
 from tokenloom.core.weights import LinearSlot, LinearWeight, WeightSpec
 
+BLOCK_FREE, BLOCK_USED, BLOCK_CACHED = 0, 1, 2  # CacheManager.block_states() values
+
 
 @dataclass(slots=True)
 class CacheStats:
@@ -107,6 +109,11 @@ class CacheManager(Protocol):
     def block_table(self, seq: Sequence) -> list[int]: ...
 
     def stats(self) -> CacheStats: ...
+
+    def block_states(self) -> bytes:
+        """One byte per block, in block-id order: :data:`BLOCK_FREE`, :data:`BLOCK_USED` or
+        :data:`BLOCK_CACHED`, as :class:`CacheStats` defines them (its counts agree). For
+        display (the playground's block map); O(num_blocks)."""
 
     def take_copies(self) -> list[tuple[int, int, int]]:
         """Copy-on-write work owed since the last call, as (src block, dst block, slots):
@@ -249,3 +256,37 @@ class Backend(Protocol):
         else it is dequantised to ``dtype``) and return the object the model calls."""
 
     def silu_mul(self, gate, up): ...
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendContext:
+    """What a frontend factory gets besides its options (frozen; new needs become fields).
+
+    ``gateway`` (``tokenloom.protocols.gateway.Gateway``) is shared by every frontend of one
+    server, so the rules hold across all of them: ``authorized(token)`` checks the API key,
+    ``origin_allowed(origin)`` the browser Origin, ``refusal()`` says why a new request must
+    wait (shutting down, queue full, engine restarting), ``admit(...)`` tokenises off the event
+    loop, charges a rate limiter and submits; ``metrics`` is the one Prometheus registry."""
+
+    engine: Any  # the AsyncEngine every frontend serves
+    host: str  # the address every frontend binds
+    gateway: Any
+
+
+@runtime_checkable
+class Frontend(Protocol):
+    """A way in to a served engine, on its own port. Lifecycle: ``start`` binds and serves;
+    ``stop_accepting`` refuses new requests (running ones go on); ``close`` aborts what still
+    runs (each request still ends with its one final message, its KV blocks come back) and
+    closes the connections. Every accepted request ends with exactly one final message."""
+
+    name: str
+
+    async def start(self) -> None: ...
+
+    def urls(self) -> list[str]:
+        """Where it listens, for the start-up banner (after ``start``)."""
+
+    def stop_accepting(self) -> None: ...
+
+    async def close(self) -> None: ...

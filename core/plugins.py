@@ -16,7 +16,7 @@ from tokenloom.core.errors import ConfigError, UnknownPluginError
 
 log = structlog.get_logger("tokenloom.plugins")
 
-ROLES = ("scheduler", "cache_manager", "quantizer", "decoder", "backend", "model_format")
+ROLES = ("scheduler", "cache_manager", "quantizer", "decoder", "backend", "model_format", "frontend")
 _HOOK_OF_ROLE = {
     "scheduler": "register_schedulers",
     "cache_manager": "register_cache_managers",
@@ -24,6 +24,7 @@ _HOOK_OF_ROLE = {
     "decoder": "register_decoders",
     "backend": "register_backends",
     "model_format": "register_model_formats",
+    "frontend": "register_frontends",
 }
 ROLE_LABELS = {role: role.replace("_", " ") for role in ROLES}
 
@@ -44,6 +45,7 @@ BUILTIN_PLUGINS = (
     "tokenloom.plugins.quantizers.packed",
     "tokenloom.plugins.formats",
     "tokenloom.backends.torch_backend",
+    "tokenloom.protocols.frontends",
 )
 
 

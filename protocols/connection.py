@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-import msgspec
 import structlog
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from tokenloom.core.errors import ClientError, EngineUnavailable
 from tokenloom.core.outputs import Finished, Usage
+from tokenloom.protocols.gateway import RateLimited
 from tokenloom.protocols.messages import (
     PROTOCOL_VERSION,
     Accepted,
@@ -46,7 +46,7 @@ log = structlog.get_logger("tokenloom.server")
 class Connection:
     def __init__(self, server: TokenServer, ws: ServerConnection, conn_id: int):
         self.server, self.ws, self.conn_id = server, ws, conn_id
-        self.engine = server.engine
+        self.engine, self.gateway = server.engine, server.gateway
         self.out = OutboundQueue()
         self.tasks: dict[str, asyncio.Task] = {}  # client id -> admission + streaming task
         self.cancelled: set[str] = set()
@@ -99,41 +99,33 @@ class Connection:
 
     def _generate(self, msg: Generate) -> None:
         o, rid = self.server.options, msg.id
-        if self.server.draining:
-            self.out.put(Error(code="shutting_down", id=rid, message="the server is shutting down"))
-            return
         if rid in self.tasks:
             self.out.put(Error(code="duplicate_id", id=rid, param="id", message=f"request {rid!r} is already running"))
             return
         if len(self.tasks) >= o.max_requests_per_connection:
             self.out.put(Error(code="too_many_requests", id=rid, message="too many requests on this connection"))
             return
-        queued = self.engine.num_unfinished + self.server.num_admitting
-        if queued >= o.max_queue:
-            self.server.metrics.overloaded.inc()
-            self.out.put(Error(code="overloaded", id=rid, retry_after_ms=o.retry_after_ms,
-                               message=f"{queued} requests queued; retry later"))
+        if refusal := self.gateway.refusal():
+            self.out.put(Error(code=refusal.code, id=rid, retry_after_ms=refusal.retry_after_ms,
+                               message=refusal.message))
             return
-        if wait := self.limiter.take_request():
-            self._rate_limited(rid, wait, "requests")
+        try:
+            self.gateway.take_request(self.limiter)
+        except RateLimited as exc:
+            self._rate_limited(rid, exc)
             return
         self.tasks[rid] = asyncio.create_task(self._serve(rid, msg))
 
-    def _rate_limited(self, rid: str, wait_ms: int, what: str) -> None:
-        self.server.metrics.rate_limited.inc()
-        self.out.put(Error(code="rate_limited", id=rid, retry_after_ms=wait_ms,
-                           message=f"this connection is over its {what} per minute; retry in {wait_ms} ms"))
+    def _rate_limited(self, rid: str, exc: RateLimited) -> None:
+        self.out.put(Error(code="rate_limited", id=rid, retry_after_ms=exc.wait_ms,
+                           message=f"this connection is over its {exc.what} per minute; retry in {exc.wait_ms} ms"))
 
     async def _serve(self, rid: str, msg: Generate) -> None:
         """One request: admission, then its stream. Whatever fails, the client hears of it:
         an ``error`` before acceptance, exactly one ``done`` after."""
         accepted = finished = False
         try:
-            self.server.num_admitting += 1
-            try:
-                req = await self._admit(rid, msg)
-            finally:
-                self.server.num_admitting -= 1
+            req = await self._admit(rid, msg)
             if req is None:
                 return
             self.out.put(Accepted(id=rid))
@@ -156,20 +148,15 @@ class Connection:
 
     async def _admit(self, rid: str, msg: Generate):
         """Tokenise off the loop, charge the rate limit, submit; None (and an error sent) if refused."""
-        o, params = self.server.options, msg.params
-        if params.timeout_s is None and o.default_timeout_s is not None:
-            params = msgspec.structs.replace(params, timeout_s=o.default_timeout_s)
         try:
-            params.validate(self.engine.model_config.vocab_size)  # before spending time on the prompt
             messages = [{"role": m.role, "content": m.content} for m in msg.messages] if msg.messages else None
             prompt = msg.prompt if msg.prompt is not None else msg.prompt_token_ids
-            ids = await self.engine.prompt_ids_async(prompt, messages, msg.parse_special_tokens)
-            if wait := self.limiter.take_tokens(len(ids) + params.max_tokens):
-                self._rate_limited(rid, wait, "tokens")
-                return None
-            return self.engine.submit(ids, params, request_id=self._engine_id(rid), cache_salt=msg.cache_salt)
+            return await self.gateway.admit(params=msg.params, limiter=self.limiter, request_id=self._engine_id(rid),
+                                            prompt=prompt, messages=messages,
+                                            parse_special_tokens=msg.parse_special_tokens, cache_salt=msg.cache_salt)
+        except RateLimited as exc:
+            self._rate_limited(rid, exc)
         except EngineUnavailable as exc:
-            self.server.metrics.engine_unavailable.inc()
             self.out.put(Error(code=exc.code, id=rid, retry_after_ms=exc.retry_after_ms, message=str(exc)))
         except ClientError as exc:
             self.out.put(Error(code=exc.code, id=rid, param=exc.param, message=str(exc)))

@@ -12,9 +12,12 @@ from pathlib import Path
 def add_serve_parsers(sub) -> None:
     from tokenloom.protocols.cli_args import add_engine_args
 
-    s = sub.add_parser("serve", help="start the WebSocket token-streaming server")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8765)
+    s = sub.add_parser("serve", help="serve the model: WebSocket streaming + playground page, OpenAI HTTP API")
+    s.add_argument("--host", default="127.0.0.1", help="address every frontend binds")
+    s.add_argument("--port", type=int, default=None, help="WebSocket frontend and playground page (default 8765)")
+    s.add_argument("--openai-port", type=int, default=None, help="OpenAI-compatible HTTP frontend (default 8000)")
+    s.add_argument("--frontends", default=None, metavar="NAMES",
+                   help="comma-separated frontends to mount (default websocket,openai)")
     s.add_argument("--api-key-file", help="file holding the API key (else $TOKENLOOM_API_KEY)")
     s.add_argument("--allow-origin", action="append", default=None, help="browser Origin to accept (repeatable)")
     s.add_argument("--max-connections", type=int, default=64)
@@ -65,17 +68,33 @@ async def serve_until_stopped(server, stop: asyncio.Event) -> int:
     return 0
 
 
+def serve_layer(args: argparse.Namespace) -> dict:
+    """The serve-only flags as a config layer over ``[frontends]``."""
+    from tokenloom.core.config import merge_layers, nested
+
+    layers = []
+    if args.frontends is not None:
+        layers.append(nested("frontends.enabled", [n.strip() for n in args.frontends.split(",") if n.strip()]))
+    if args.port is not None:
+        layers.append(nested("frontends.websocket.port", args.port))
+    if args.openai_port is not None:
+        layers.append(nested("frontends.openai.port", args.openai_port))
+    return merge_layers(*layers)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    from tokenloom.core.config import merge_layers
     from tokenloom.core.engine import AsyncEngine
     from tokenloom.core.logging import configure_logging
     from tokenloom.protocols.cli import _progress_bar
     from tokenloom.protocols.cli_args import flags_layer
+    from tokenloom.protocols.gateway import FrontendHost, ServerOptions
     from tokenloom.protocols.ratelimit import RateLimits
-    from tokenloom.protocols.server import ServerOptions, TokenServer
 
     configure_logging("INFO")
-    engine = AsyncEngine.from_options(args.config, flags_layer(args), progress=_progress_bar("loading model"))
-    options = ServerOptions(host=args.host, port=args.port, api_key=_api_key(args.api_key_file),
+    flags = merge_layers(flags_layer(args), serve_layer(args))
+    engine = AsyncEngine.from_options(args.config, flags, progress=_progress_bar("loading model"))
+    options = ServerOptions(host=args.host, api_key=_api_key(args.api_key_file),
                             allowed_origins=args.allow_origin, max_connections=args.max_connections,
                             max_queue=args.max_queue, send_timeout_s=args.send_timeout,
                             shutdown_deadline_s=args.shutdown_deadline, default_timeout_s=args.request_timeout,
@@ -87,11 +106,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        server = TokenServer(engine, options)
-        await server.start()
-        print(f"serving {engine.model_name} on ws://{args.host}:{server.port}  "
-              f"(try: tokenloom chat --url ws://{args.host}:{server.port})", file=sys.stderr, flush=True)
-        return await serve_until_stopped(server, stop)
+        host = FrontendHost(engine, options)
+        await host.start()
+        print(host.banner(), file=sys.stderr, flush=True)
+        return await serve_until_stopped(host, stop)
 
     code = asyncio.run(main())
     engine.close()

@@ -18,12 +18,12 @@ and closes every connection with 1001.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import http
 import itertools
 import json
 import resource
-from dataclasses import dataclass, field
+import time
+from importlib import resources
 
 import structlog
 from websockets.asyncio.server import ServerConnection, serve
@@ -31,48 +31,44 @@ from websockets.datastructures import Headers
 from websockets.http11 import Response
 
 from tokenloom.protocols.connection import Connection
-from tokenloom.protocols.metrics import ServerMetrics
-from tokenloom.protocols.ratelimit import RateLimits
+from tokenloom.protocols.gateway import LOOPBACK, Gateway, ServerOptions  # noqa: F401 (re-exported)
 
 log = structlog.get_logger("tokenloom.server")
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-@dataclass(slots=True)
-class ServerOptions:
-    host: str = "127.0.0.1"
-    port: int = 8765
-    api_key: str | None = None
-    allowed_origins: list[str] | None = None  # browser Origins; clients without one pass
-    max_connections: int = 64
-    max_queue: int = 256  # unfinished requests in the engine before `overloaded`
-    max_requests_per_connection: int = 256
-    max_frame_bytes: int = 1 << 20
-    send_timeout_s: float = 10.0
-    max_pending_bytes: int = 8 << 20  # unsent output a connection may hold before it is cut
-    default_timeout_s: float | None = None  # a request's deadline when it sets no timeout_s
-    rate_limits: RateLimits = field(default_factory=RateLimits)  # per connection
-    public_metrics: bool = False  # serve /metrics without the API key (for a scraper)
-    shutdown_deadline_s: float = 30.0
-    retry_after_ms: int = 1000
-    write_limit_bytes: int = 1 << 16  # websockets' write-buffer high-water mark
-    socket_send_buffer: int | None = None  # SO_SNDBUF for accepted sockets (tests shrink it)
+SUBPROTOCOL, BEARER_SUBPROTOCOL = "tokenloom.v1", "tokenloom.bearer."
+# The playground: static files in the package, served as they are (no build step, no CDN).
+STATIC_FILES = {"/": ("index.html", "text/html; charset=utf-8"),
+                "/playground.js": ("playground.js", "text/javascript; charset=utf-8"),
+                "/playground.css": ("playground.css", "text/css; charset=utf-8")}
 
 
 class TokenServer:
-    def __init__(self, engine, options: ServerOptions | None = None):
+    """The ``websocket`` frontend: the token-streaming protocol, plus ``/health``,
+    ``/metrics``, ``/stats`` and the playground page over plain HTTP on the same port."""
+
+    name = "websocket"
+
+    def __init__(self, engine, options: ServerOptions | None = None, gateway: Gateway | None = None):
         self.engine = engine
-        self.options = options or ServerOptions()
-        self.metrics = ServerMetrics(engine)
+        self.gateway = gateway or Gateway(engine, options)
+        self.options = options or self.gateway.options
+        self.metrics = self.gateway.metrics
         self.connections: set[Connection] = set()
-        self.draining = False
-        self.num_admitting = 0  # generate requests being tokenised (count towards max_queue)
         self._server = None
         self._conn_ids = itertools.count(1)
+        self._started_at = time.monotonic()
+
+    @property
+    def draining(self) -> bool:
+        return self.gateway.draining
 
     @property
     def port(self) -> int:
         return next(iter(self._server.sockets)).getsockname()[1]
+
+    def urls(self) -> list[str]:
+        host = self.options.host
+        host = f"[{host}]" if ":" in host else host
+        return [f"ws://{host}:{self.port}", f"http://{host}:{self.port}/ (playground)"]
 
     async def start(self) -> None:
         o = self.options
@@ -82,6 +78,7 @@ class TokenServer:
         origins = [*o.allowed_origins, None] if o.allowed_origins else None
         self._server = await serve(self._handle, o.host, o.port, max_size=o.max_frame_bytes, origins=origins,
                                    process_request=self._process_request, server_header=None,
+                                   select_subprotocol=_select_subprotocol,
                                    write_limit=o.write_limit_bytes)
         log.info("server_started", host=o.host, port=self.port, model=self.engine.model_name)
 
@@ -91,12 +88,16 @@ class TokenServer:
         authorized = self._authorized(request)
         if path == "/health":
             return self._health(full=authorized)
-        if path == "/metrics":
+        if path in ("/metrics", "/stats"):
             if not (authorized or self.options.public_metrics):
                 return _response(401, "missing or invalid API key\n")
+            if path == "/stats":
+                return _response(200, json.dumps(self.live_stats()), "application/json")
             return _response(200, self.metrics.render(), self.metrics.content_type)
         if "upgrade" not in request.headers.get("Connection", "").lower():
-            return _response(404, "not found: use /health, /metrics or a WebSocket upgrade\n")
+            if path in STATIC_FILES:
+                return _static(*STATIC_FILES[path])
+            return _response(404, "not found: use / (playground), /health, /metrics, /stats or a WebSocket upgrade\n")
         if not authorized:
             log.warning("auth_refused", peer=str(connection.remote_address[0]))
             return _response(401, "missing or invalid API key\n")
@@ -107,11 +108,29 @@ class TokenServer:
         return None
 
     def _authorized(self, request) -> bool:
-        if self.options.api_key is None:
+        """``Authorization: Bearer <key>``, or, from a browser (whose WebSocket cannot set
+        headers), the subprotocol ``tokenloom.bearer.<key>`` offered beside ``tokenloom.v1``."""
+        if self.gateway.bearer_authorized(request.headers.get("Authorization")):
             return True
-        auth = request.headers.get("Authorization", "")
-        given = auth[7:] if auth.startswith("Bearer ") else ""
-        return hmac.compare_digest(given.encode(), self.options.api_key.encode())
+        offered = ",".join(request.headers.get_all("Sec-WebSocket-Protocol"))
+        for proto in offered.split(","):
+            proto = proto.strip()
+            if proto.startswith(BEARER_SUBPROTOCOL) and self.gateway.authorized(proto[len(BEARER_SUBPROTOCOL):]):
+                return True
+        return False
+
+    def live_stats(self) -> dict:
+        """What the playground's engine panel polls: queues, KV blocks (with the per-block
+        map: one digit per block, 0 free, 1 used, 2 cached), prefix hits, preemptions,
+        speculative acceptance and the strategy combination. Read between steps' writes:
+        a display, consistent to within a step."""
+        e = self.engine
+        stats = e.stats()
+        return {"model": e.model_name, "uptime_s": round(time.monotonic() - self._started_at, 1),
+                "health": "draining" if self.draining else e.health_report().status,
+                "strategies": e.config.to_dict(), "stats": stats,
+                "block_size": e.cache.block_size, "blocks": "".join(map(str, e.cache.block_states())),
+                "frontends": [f.name for f in e.config.frontends]}
 
     def _health(self, *, full: bool) -> Response:
         """200 while the engine can serve, 503 (with the reason) while draining, restarting
@@ -141,23 +160,32 @@ class TokenServer:
             self.connections.discard(conn)
 
     # ---- shutdown -----------------------------------------------------------------------
-    async def shutdown(self, deadline_s: float | None = None) -> None:
-        """Stop accepting; let running requests finish until the deadline; abort the rest;
-        close every connection with 1001."""
-        deadline_s = self.options.shutdown_deadline_s if deadline_s is None else deadline_s
-        self.draining = True
+    def stop_accepting(self) -> None:
+        self.gateway.draining = True
         if self._server is not None:
             self._server.close(close_connections=False)
-        loop = asyncio.get_running_loop()
-        end = loop.time() + deadline_s
-        while self.engine.num_unfinished and loop.time() < end:
-            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        """Abort what still runs (each request still gets its ``done``), then close every
+        connection with 1001."""
         for conn in list(self.connections):
             conn.abort_all()
         for conn in list(self.connections):
             await conn.drain_and_close(1001, "server shutting down")
         if self._server is not None:
             await self._server.wait_closed()
+
+    async def shutdown(self, deadline_s: float | None = None) -> None:
+        """Stop accepting; let running requests finish until the deadline; abort the rest;
+        close every connection with 1001. (Alone: `tokenloom serve` goes through
+        :class:`tokenloom.protocols.gateway.FrontendHost`, which does this for every frontend.)"""
+        deadline_s = self.options.shutdown_deadline_s if deadline_s is None else deadline_s
+        self.stop_accepting()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + deadline_s
+        while self.engine.num_unfinished and loop.time() < end:
+            await asyncio.sleep(0.05)
+        await self.close()
         log.info("server_stopped")
 
 
@@ -170,6 +198,19 @@ def process_memory() -> dict[str, int]:
     except OSError:
         rss = peak
     return {"rss_bytes": rss, "peak_rss_bytes": peak}
+
+
+def _select_subprotocol(connection, offered) -> str | None:
+    """A browser offers ``tokenloom.v1`` (and its key as a second one); other clients none."""
+    return SUBPROTOCOL if SUBPROTOCOL in offered else None
+
+
+def _static(filename: str, content_type: str) -> Response:
+    data = resources.files("tokenloom.protocols").joinpath("static", filename).read_bytes()
+    headers = Headers([("Content-Type", content_type), ("Content-Length", str(len(data))),
+                       ("Cache-Control", "no-cache"), ("X-Content-Type-Options", "nosniff"),
+                       ("Connection", "close")])
+    return Response(200, "OK", headers, data)
 
 
 def _response(status: int, body: str, content_type: str = "text/plain; charset=utf-8") -> Response:

@@ -8,6 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from tokenloom.core.interfaces import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.core.sequence import Sequence
 from tokenloom.plugins.cache.contiguous import ContiguousCacheManager
@@ -130,6 +131,10 @@ class CacheContract(RuleBasedStateMachine):
         assert used == len(self._held_blocks()), "used != blocks live sequences hold"
         assert (cache.num_used_blocks, cache.num_free_blocks) == (used, free), "cheap counts disagree"
         assert stats.usage == used / NUM_BLOCKS
+        states = cache.block_states()  # the per-block map says the same, block by block
+        assert len(states) == NUM_BLOCKS
+        assert {b for b, s in enumerate(states) if s == BLOCK_USED} == self._held_blocks()
+        assert (states.count(BLOCK_CACHED), states.count(BLOCK_FREE)) == (cached, free)
         if not self.caching:
             assert cached == 0
         if not isinstance(cache, ContiguousCacheManager):  # (contiguous needs a run, not a count)

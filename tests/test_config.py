@@ -84,3 +84,37 @@ def test_config_command_fails_naming_the_key(tmp_path):
     res = subprocess.run([sys.executable, "-m", "tokenloom.protocols.cli", "config", "--set", "scheduler.nope=1"],
                          capture_output=True, text=True)
     assert res.returncode == 2 and "scheduler.nope" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_frontends_default_merge_and_round_trip(pm):
+    assert [f.name for f in build_config(pm).frontends] == ["websocket", "openai"]
+    file = {"frontends": {"enabled": ["openai", "websocket"], "openai": {"port": 9000, "max_body_bytes": 4096}}}
+    flags = {"frontends": {"openai": {"port": 9001}}}  # a flag changes one key, the file's others stay
+    cfg = build_config(pm, file, flags)
+    assert [f.name for f in cfg.frontends] == ["openai", "websocket"]
+    openai = cfg.frontends[0].options
+    assert (openai.port, openai.max_body_bytes) == (9001, 4096)
+    assert build_config(pm, {"frontends": {"enabled": "openai"}}).frontends[0].name == "openai"
+
+    import tomllib
+
+    text = cfg.to_toml()
+    assert "[frontends.openai]" in text
+    again = build_config(pm, tomllib.loads(text))
+    assert again.to_dict() == cfg.to_dict()
+
+
+@pytest.mark.parametrize("layer, words", [
+    ({"frontends": {"enabled": ["websocket", "gopher"]}}, ["gopher", "websocket", "openai"]),
+    ({"frontends": {"openai": {"prot": 1}}}, ["frontends.openai.prot", "port"]),
+    ({"frontends": {"openai": {"port": 70000}}}, ["frontend 'openai'", "port"]),
+    ({"frontends": {"enabled": ["websocket"], "openai": {"port": 1}}}, ["'openai'", "not name"]),
+    ({"frontends": {"enabled": ["openai", "openai"]}}, ["twice"]),
+    ({"frontends": {"http": {}}}, ["frontends.http"]),
+    ({"frontends": 3}, ["frontends must be a table"]),
+])
+def test_bad_frontend_config_is_named(pm, layer, words):
+    with pytest.raises(ConfigError) as info:
+        build_config(pm, layer)
+    for word in words:
+        assert word in str(info.value), str(info.value)

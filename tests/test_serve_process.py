@@ -21,11 +21,12 @@ CLI = [sys.executable, "-m", "tokenloom.protocols.cli"]
 def serve_process(tiny_model_dir):
     env = {**os.environ, "TOKENLOOM_LOG_FORMAT": "json"}
     proc = subprocess.Popen([*CLI, "serve", "--model", str(tiny_model_dir), "--dtype", "float32",
-                             "--num-kv-blocks", "128", "--port", "0", "--shutdown-deadline", "0.2"],
+                             "--num-kv-blocks", "128", "--port", "0", "--openai-port", "0",
+                             "--shutdown-deadline", "0.2"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     url = None
     for line in proc.stderr:
-        m = re.search(r"on (ws://127\.0\.0\.1:\d+)", line)
+        m = re.search(r"(ws://127\.0\.0\.1:\d+)", line)
         if m:
             url = m.group(1)
             break

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -12,6 +13,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from tokenloom.core.hookspecs import hookimpl
 from tokenloom.protocols.client import Client, RequestError
 from tokenloom.protocols.messages import Delta, Done, decode_server, encode
 
@@ -219,16 +221,25 @@ async def test_health_and_metrics_over_http(make_server):
     assert info.value.code == 404
 
 
+class _SlowSteps:
+    """Every engine step takes >= 5 ms (an observer hook that sleeps on the loop), so that
+    900 tokens cannot finish within a 1 s deadline however fast the machine is."""
+
+    @hookimpl
+    def step_finished(self, stats):
+        time.sleep(0.005)
+
+
 async def test_graceful_shutdown(make_server):
-    server, url = await make_server()
+    server, url = await make_server(plugins=[_SlowSteps()])
     async with Client(url) as client:
-        short = asyncio.ensure_future(_collect(client, "short", params={"max_tokens": 5, "ignore_eos": True}))
         long = client.generate("long", params={"temperature": 0, "max_tokens": 900, "ignore_eos": True})
+        short = client.generate("short", params={"max_tokens": 5, "ignore_eos": True})
         await long.__anext__()
-        await asyncio.sleep(0.05)
-        await server.shutdown(deadline_s=0.5)
-        _, short_done, _ = await short
-        assert short_done.finish_reason == "length"
+        await short.__anext__()  # both run: the short one needs ~4 steps more, the long one ~900
+        await server.shutdown(deadline_s=1.0)
+        short_events = [ev async for ev in short]
+        assert short_events[-1].finish_reason == "length"
         long_events = [ev async for ev in long]
         assert long_events[-1].finish_reason == "aborted"
         await asyncio.sleep(0.05)

@@ -100,6 +100,9 @@ class ContiguousCacheManager:
                           num_tokens_stored=sum(self._num_tokens.values()),
                           num_reserved_slots=used * self.block_size)
 
+    def block_states(self) -> bytes:
+        return bytes(self._used)  # 1 = BLOCK_USED; nothing is ever cached
+
     def check_integrity(self) -> None:
         marks = bytearray(self.num_blocks)
         for start, count in self._runs.values():

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import msgspec
 
 from tokenloom.core.hookspecs import hookimpl
-from tokenloom.core.interfaces import CacheStats
+from tokenloom.core.interfaces import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, CacheStats
 from tokenloom.core.sequence import Sequence
 
 
@@ -206,6 +206,11 @@ class PagedCacheManager:
                           num_reserved_slots=sum(len(t) for t in self._tables.values()) * self.block_size,
                           num_evictions=self.num_evictions, num_cached_blocks=self._num_cached,
                           prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits)
+
+    def block_states(self) -> bytes:
+        meta = self._meta
+        return bytes(BLOCK_USED if r else BLOCK_CACHED if b in meta else BLOCK_FREE
+                     for b, r in enumerate(self._ref))
 
     def check_integrity(self) -> None:
         refs = [0] * self.num_blocks

@@ -25,7 +25,7 @@ import itertools
 import msgspec
 
 from tokenloom.core.hookspecs import hookimpl
-from tokenloom.core.interfaces import CacheStats
+from tokenloom.core.interfaces import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, CacheStats
 from tokenloom.core.sequence import Sequence
 from tokenloom.plugins.cache.paged import cdiv
 
@@ -289,6 +289,10 @@ class RadixCacheManager:
                           num_reserved_slots=sum(len(t) for t in self._tables.values()) * self.block_size,
                           num_evictions=self.num_evictions, num_cached_blocks=cached,
                           prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits)
+
+    def block_states(self) -> bytes:
+        return bytes(BLOCK_USED if pin else BLOCK_CACHED if ref else BLOCK_FREE
+                     for pin, ref in zip(self._pin, self._ref, strict=True))
 
     def check_integrity(self) -> None:
         refs = [0] * self.num_blocks

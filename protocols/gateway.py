@@ -1,0 +1,184 @@
+"""What every frontend of one `tokenloom serve` shares, and the host that mounts them.
+
+One engine, several ways in (the WebSocket protocol, the OpenAI HTTP API, ...), one set of
+rules: the same API key, the same browser Origin list, one queue limit counted over all of
+them, the same rate-limit settings, one Prometheus registry, and one shutdown. A frontend
+speaks its own wire format; the :class:`Gateway` decides who gets in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import sys
+from dataclasses import dataclass, field
+
+import msgspec
+import structlog
+
+from tokenloom.core.errors import EngineUnavailable
+from tokenloom.core.interfaces import Frontend, FrontendContext
+from tokenloom.core.sampling_params import SamplingParams
+from tokenloom.protocols.metrics import ServerMetrics
+from tokenloom.protocols.ratelimit import RateLimiter, RateLimits
+
+log = structlog.get_logger("tokenloom.server")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(slots=True)
+class ServerOptions:
+    """Settings of `tokenloom serve`. ``port`` and the frame/send/connection limits are the
+    WebSocket frontend's; the rest hold for every frontend."""
+
+    host: str = "127.0.0.1"
+    port: int = 8765
+    api_key: str | None = None
+    allowed_origins: list[str] | None = None  # browser Origins; clients without one pass
+    max_connections: int = 64
+    max_queue: int = 256  # unfinished requests in the engine before `overloaded`
+    max_requests_per_connection: int = 256
+    max_frame_bytes: int = 1 << 20
+    send_timeout_s: float = 10.0
+    max_pending_bytes: int = 8 << 20  # unsent output a connection may hold before it is cut
+    default_timeout_s: float | None = None  # a request's deadline when it sets no timeout_s
+    rate_limits: RateLimits = field(default_factory=RateLimits)  # per connection (HTTP: per client address)
+    public_metrics: bool = False  # serve /metrics and /stats without the API key (for a scraper)
+    shutdown_deadline_s: float = 30.0
+    retry_after_ms: int = 1000
+    write_limit_bytes: int = 1 << 16  # websockets' write-buffer high-water mark
+    socket_send_buffer: int | None = None  # SO_SNDBUF for accepted sockets (tests shrink it)
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a new request cannot be taken now; every frontend words it its own way."""
+
+    code: str  # shutting_down | overloaded
+    message: str
+    retry_after_ms: int | None = None
+
+
+class RateLimited(Exception):
+    def __init__(self, wait_ms: int, what: str):
+        super().__init__(f"over the {what} per minute limit; retry in {wait_ms} ms")
+        self.wait_ms, self.what = wait_ms, what
+
+
+class Gateway:
+    def __init__(self, engine, options: ServerOptions | None = None):
+        self.engine = engine
+        self.options = options or ServerOptions()
+        self.metrics = ServerMetrics(engine)
+        self.num_admitting = 0  # requests being tokenised (they count towards max_queue)
+        self.draining = False
+
+    # ---- who may come in ------------------------------------------------------------
+    def authorized(self, token: str | None) -> bool:
+        """Is ``token`` the API key (always true when the server has none)?"""
+        key = self.options.api_key
+        if key is None:
+            return True
+        return token is not None and hmac.compare_digest(token.encode(), key.encode())
+
+    def bearer_authorized(self, authorization: str | None) -> bool:
+        """An ``Authorization: Bearer <key>`` header's verdict."""
+        auth = authorization or ""
+        return self.authorized(auth[7:] if auth.startswith("Bearer ") else None)
+
+    def origin_allowed(self, origin: str | None) -> bool:
+        """Clients that send no Origin (every non-browser client) pass; a browser's Origin
+        must be listed when a list is set."""
+        allowed = self.options.allowed_origins
+        return origin is None or not allowed or origin in allowed
+
+    def refusal(self) -> Refusal | None:
+        """Why a new request must wait, or None: shutting down, or the queue is full."""
+        if self.draining:
+            return Refusal("shutting_down", "the server is shutting down")
+        queued = self.engine.num_unfinished + self.num_admitting
+        if queued >= self.options.max_queue:
+            self.metrics.overloaded.inc()
+            return Refusal("overloaded", f"{queued} requests queued; retry later", self.options.retry_after_ms)
+        return None
+
+    async def admit(self, *, params: SamplingParams, limiter: RateLimiter, request_id: str,
+                    prompt: str | list[int] | None = None, messages: list[dict] | None = None,
+                    parse_special_tokens: bool | None = None, cache_salt: str | None = None,
+                    fill_max_tokens: bool = False):
+        """Validate, tokenise off the event loop, charge ``limiter``, submit: the engine's
+        request state. ``fill_max_tokens``: the request gave no max_tokens, so it may use the
+        rest of the context (OpenAI's default). Raises ClientError (bad input, naming the
+        parameter), RateLimited, or EngineUnavailable."""
+        engine, o = self.engine, self.options
+        if params.timeout_s is None and o.default_timeout_s is not None:
+            params = msgspec.structs.replace(params, timeout_s=o.default_timeout_s)
+        self.num_admitting += 1
+        try:
+            params.validate(engine.model_config.vocab_size)  # before spending time on the prompt
+            ids = await engine.prompt_ids_async(prompt, messages, parse_special_tokens)
+            if fill_max_tokens:
+                params = msgspec.structs.replace(params, max_tokens=max(1, engine.max_model_len - len(ids)))
+            if wait := limiter.take_tokens(len(ids) + params.max_tokens):
+                self.metrics.rate_limited.inc()
+                raise RateLimited(wait, "tokens")
+            return engine.submit(ids, params, request_id=request_id, cache_salt=cache_salt)
+        except EngineUnavailable:
+            self.metrics.engine_unavailable.inc()
+            raise
+        finally:
+            self.num_admitting -= 1
+
+    def take_request(self, limiter: RateLimiter) -> None:
+        """Charge one request to ``limiter``; raises RateLimited."""
+        if wait := limiter.take_request():
+            self.metrics.rate_limited.inc()
+            raise RateLimited(wait, "requests")
+
+
+class FrontendHost:
+    """Mounts the frontends the config enables over one engine and shuts them down together:
+    stop accepting everywhere, let running requests finish until the deadline, then each
+    frontend aborts what is left and closes."""
+
+    def __init__(self, engine, options: ServerOptions, plugin_manager=None):
+        self.engine, self.options = engine, options
+        self.pm = plugin_manager or engine.pm
+        self.gateway = Gateway(engine, options)
+        self.frontends: list[Frontend] = []
+
+    async def start(self) -> None:
+        o = self.options
+        if o.host not in LOOPBACK and not o.api_key:
+            log.warning("binding_without_api_key", host=o.host,
+                        hint="anyone who can reach this address can use the model; set TOKENLOOM_API_KEY")
+        context = FrontendContext(engine=self.engine, host=o.host, gateway=self.gateway)
+        try:
+            for chosen in self.engine.config.frontends:
+                frontend = self.pm.get("frontend", chosen.name).factory(chosen.options, context)
+                await frontend.start()
+                self.frontends.append(frontend)
+        except BaseException:
+            await self.shutdown(0)
+            raise
+
+    def banner(self) -> str:
+        lines = [f"serving {self.engine.model_name}"]
+        lines += [f"  {f.name:<10} {'  '.join(f.urls())}" for f in self.frontends]
+        return "\n".join(lines)
+
+    async def shutdown(self, deadline_s: float | None = None) -> None:
+        deadline_s = self.options.shutdown_deadline_s if deadline_s is None else deadline_s
+        self.gateway.draining = True
+        for f in self.frontends:
+            f.stop_accepting()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + deadline_s
+        while self.engine.num_unfinished and loop.time() < end:
+            await asyncio.sleep(0.05)
+        for f in self.frontends:
+            try:
+                await f.close()
+            except Exception as exc:  # one frontend failing to close must not keep the others open
+                print(f"frontend {f.name} failed to close: {exc}", file=sys.stderr)
+        log.info("server_stopped")
