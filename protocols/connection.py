@@ -17,6 +17,7 @@ from websockets.exceptions import ConnectionClosed
 
 from tokenloom.core.errors import ClientError, EngineUnavailable
 from tokenloom.core.outputs import Finished, Usage
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.protocols.gateway import RateLimited
 from tokenloom.protocols.messages import (
     PROTOCOL_VERSION,
@@ -61,7 +62,8 @@ class Connection:
         e, o = self.engine, self.server.options
         self.out.put(Session(protocol=PROTOCOL_VERSION, model=e.model_name,
                              limits=Limits(max_model_len=e.max_model_len, max_frame_bytes=o.max_frame_bytes,
-                                           max_queue=o.max_queue, max_tokens_default=256),
+                                           max_queue=o.max_queue,
+                                           max_tokens_default=SamplingParams().max_tokens),
                              strategies=e.config.to_dict()))
         writer = asyncio.create_task(self._writer())
         try:

@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import sys
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import msgspec
 import structlog
@@ -86,11 +87,17 @@ class Gateway:
         auth = authorization or ""
         return self.authorized(auth[7:] if auth.startswith("Bearer ") else None)
 
-    def origin_allowed(self, origin: str | None) -> bool:
-        """Clients that send no Origin (every non-browser client) pass; a browser's Origin
-        must be listed when a list is set."""
+    def origin_allowed(self, origin: str | None, host: str | None) -> bool:
+        """Clients that send no Origin (every non-browser client) pass. A browser's Origin
+        must be listed when ``--allow-origin`` gives a list; without one, only the server's
+        own pages (``Origin`` naming the ``Host`` it was sent to) may use it, so that no
+        web page a user happens to visit can drive a model served on their loopback."""
+        if origin is None:
+            return True
         allowed = self.options.allowed_origins
-        return origin is None or not allowed or origin in allowed
+        if allowed:
+            return origin in allowed
+        return host is not None and urlsplit(origin).netloc == host.lower()
 
     def refusal(self) -> Refusal | None:
         """Why a new request must wait, or None: shutting down, or the queue is full."""

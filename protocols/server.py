@@ -75,8 +75,7 @@ class TokenServer:
         if o.host not in LOOPBACK and not o.api_key:
             log.warning("binding_without_api_key", host=o.host,
                         hint="anyone who can reach this address can use the model; set TOKENLOOM_API_KEY")
-        origins = [*o.allowed_origins, None] if o.allowed_origins else None
-        self._server = await serve(self._handle, o.host, o.port, max_size=o.max_frame_bytes, origins=origins,
+        self._server = await serve(self._handle, o.host, o.port, max_size=o.max_frame_bytes,
                                    process_request=self._process_request, server_header=None,
                                    select_subprotocol=_select_subprotocol,
                                    write_limit=o.write_limit_bytes)
@@ -88,6 +87,8 @@ class TokenServer:
         authorized = self._authorized(request)
         if path == "/health":
             return self._health(full=authorized)
+        if path == "/favicon.ico":  # browsers ask; the playground declares none
+            return _response(204, "")
         if path in ("/metrics", "/stats"):
             if not (authorized or self.options.public_metrics):
                 return _response(401, "missing or invalid API key\n")
@@ -98,6 +99,8 @@ class TokenServer:
             if path in STATIC_FILES:
                 return _static(*STATIC_FILES[path])
             return _response(404, "not found: use / (playground), /health, /metrics, /stats or a WebSocket upgrade\n")
+        if not self.gateway.origin_allowed(request.headers.get("Origin"), request.headers.get("Host")):
+            return _response(403, "this Origin is not allowed (see --allow-origin)\n")
         if not authorized:
             log.warning("auth_refused", peer=str(connection.remote_address[0]))
             return _response(401, "missing or invalid API key\n")
@@ -129,7 +132,7 @@ class TokenServer:
         return {"model": e.model_name, "uptime_s": round(time.monotonic() - self._started_at, 1),
                 "health": "draining" if self.draining else e.health_report().status,
                 "strategies": e.config.to_dict(), "stats": stats,
-                "block_size": e.cache.block_size, "blocks": "".join(map(str, e.cache.block_states())),
+                "max_model_len": e.max_model_len, "block_size": e.cache.block_size, "blocks": "".join(map(str, e.cache.block_states())),
                 "frontends": [f.name for f in e.config.frontends]}
 
     def _health(self, *, full: bool) -> Response:

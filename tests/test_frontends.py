@@ -184,3 +184,20 @@ async def test_one_shutdown_ends_every_frontends_requests(host_factory):
     assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
     assert host.gateway.draining and host.engine.num_unfinished == 0
     assert host.engine.cache.num_used_blocks == 0
+
+
+async def test_without_an_origin_list_browsers_must_come_from_the_server_itself(host_factory):
+    host, fronts = await host_factory({"enabled": ["openai"], "openai": {"port": 0}})
+    base = fronts["openai"].urls()[0]
+    loop = asyncio.get_running_loop()
+
+    def get(origin: str) -> int:
+        req = urllib.request.Request(base + "/models", headers={"Origin": origin})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    assert await loop.run_in_executor(None, get, "https://evil.example") == 403
+    assert await loop.run_in_executor(None, get, base.removesuffix("/v1")) == 200

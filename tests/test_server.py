@@ -189,6 +189,19 @@ async def test_origin_allowlist(make_server):
         pass
 
 
+async def test_without_a_list_only_the_servers_own_pages_may_connect(make_server):
+    server, url = await make_server()
+    for origin in ("https://evil.example", "null", f"http://127.0.0.1:{server.port + 1}"):
+        with pytest.raises(InvalidStatus) as info:
+            async with Client(url, origin=origin):
+                pass
+        assert info.value.response.status_code == 403, origin
+    async with Client(url, origin=f"http://127.0.0.1:{server.port}"):  # the playground's own socket
+        pass
+    async with Client(url):  # no Origin: not a browser
+        pass
+
+
 async def test_overload_refuses_new_work_only(make_server):
     server, url = await make_server(max_queue=2)
     async with Client(url) as client:

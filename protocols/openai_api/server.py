@@ -350,7 +350,7 @@ class _Rules:
         if origin is not None and gateway.options.allowed_origins:
             cors = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
         try:
-            if not gateway.origin_allowed(origin):
+            if not gateway.origin_allowed(origin, request.headers.get("host")):
                 raise HTTPError(403, f"Origin {origin!r} is not allowed", code="origin_not_allowed")
             if request.method == "OPTIONS" and origin is not None:  # a CORS preflight
                 return await Response(status_code=204, headers={
