@@ -190,10 +190,12 @@ def _frontends(pm: PluginManager, table: Any) -> list[StrategyConfig]:
             raise ConfigError(f"frontends.{name} must be a table of options, got {options!r}")
         out.append(StrategyConfig(name, _convert_options(f"frontends.{name}", name, entry.options, dict(options),
                                                             label="frontend")))
-    for key in table:
-        if key in pm.entries("frontend"):
-            raise ConfigError(f"options given for frontend {key!r}, which frontends.enabled does not name")
-        raise ConfigError(f"unknown key frontends.{key}; known: enabled, {', '.join(sorted(pm.entries('frontend')))}")
+    for key, options in table.items():  # a frontend not enabled now: its options are checked, then kept aside
+        if key not in pm.entries("frontend"):
+            raise ConfigError(f"unknown key frontends.{key}; known: enabled, {', '.join(sorted(pm.entries('frontend')))}")
+        if not isinstance(options, Mapping):
+            raise ConfigError(f"frontends.{key} must be a table of options, got {options!r}")
+        _convert_options(f"frontends.{key}", key, pm.get("frontend", key).options, dict(options), label="frontend")
     return out
 
 

@@ -263,10 +263,13 @@ class FrontendContext:
     """What a frontend factory gets besides its options (frozen; new needs become fields).
 
     ``gateway`` (``tokenloom.protocols.gateway.Gateway``) is shared by every frontend of one
-    server, so the rules hold across all of them: ``authorized(token)`` checks the API key,
-    ``origin_allowed(origin)`` the browser Origin, ``refusal()`` says why a new request must
-    wait (shutting down, queue full, engine restarting), ``admit(...)`` tokenises off the event
-    loop, charges a rate limiter and submits; ``metrics`` is the one Prometheus registry."""
+    server, so the rules hold across all of them: ``bearer_authorized(header)`` /
+    ``authorized(token)`` check the API key, ``origin_allowed(origin, host)`` a browser's
+    Origin; admission is ``reserve()`` (a queue slot, or ``Refused``: full or shutting down),
+    ``take_request(limiter)`` (the request rate; ``release()`` the slot if it raises
+    ``RateLimited``), then ``await admit(..., reserved=True)`` (tokenise off the event loop,
+    charge the token rate, submit; the slot is given back whatever happens); ``metrics`` is
+    the one Prometheus registry (``observe_finished`` each request's end)."""
 
     engine: Any  # the AsyncEngine every frontend serves
     host: str  # the address every frontend binds

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +24,18 @@ CONTROL_TOKEN_TYPE = 3  # GGUF token_type for control tokens (<|im_start|>, ...)
 USER_DEFINED_TOKEN_TYPE = 4
 
 
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable Latin-1 bytes stand for
+    themselves, every other byte for the character 256 + its rank among them."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    table = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in table.values()]
+    table.update({chr(256 + i): b for i, b in enumerate(others)})
+    return table
+
+
 class Tokenizer:
     """Text <-> token ids, plus the model's chat template."""
 
@@ -38,6 +52,7 @@ class Tokenizer:
         self.special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
         self._literal_tok: HFTokenizer | None = None
         self._literal_lock = threading.Lock()
+        self._byte_level: bool | None = None  # is it byte-level BPE? (found on first use)
         self.warned_unsafe_template = False  # core/chat.py logs a cut placeholder once
         #: the most characters one token spans (a byte-level token string has one character per
         #: byte): a text of n characters has at least n / max_token_chars tokens
@@ -45,6 +60,27 @@ class Tokenizer:
 
     def token(self, token_id: int) -> str | None:
         return self.tok.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, which may be part of a UTF-8 character (what
+        OpenAI's logprobs call ``bytes``): byte-level BPE pieces are mapped back through
+        GPT-2's byte alphabet, SentencePiece byte pieces (``<0x0A>``) and ``▁`` spaces are
+        spelled out; a control token is its own text."""
+        piece = self.tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self.special_ids:
+            return piece.encode()
+        if self._byte_level is None:
+            self._byte_level = "ByteLevel" in repr(self.tok.decoder)
+        if self._byte_level:
+            table = _unicode_to_byte()
+            if all(ch in table for ch in piece):
+                return bytes(table[ch] for ch in piece)
+            return piece.encode()
+        if m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()
 
     def encode(self, text: str, *, add_bos: bool | None = None, parse_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``. With ``parse_special_tokens=False`` the strings of special

@@ -18,7 +18,7 @@ from websockets.exceptions import ConnectionClosed
 from tokenloom.core.errors import ClientError, EngineUnavailable
 from tokenloom.core.outputs import Finished, Usage
 from tokenloom.core.sampling_params import SamplingParams
-from tokenloom.protocols.gateway import RateLimited
+from tokenloom.protocols.gateway import RateLimited, Refused
 from tokenloom.protocols.messages import (
     PROTOCOL_VERSION,
     Accepted,
@@ -107,16 +107,22 @@ class Connection:
         if len(self.tasks) >= o.max_requests_per_connection:
             self.out.put(Error(code="too_many_requests", id=rid, message="too many requests on this connection"))
             return
-        if refusal := self.gateway.refusal():
-            self.out.put(Error(code=refusal.code, id=rid, retry_after_ms=refusal.retry_after_ms,
-                               message=refusal.message))
+        try:
+            self.gateway.reserve()  # now, before the next frame: a burst cannot overshoot max_queue
+        except Refused as exc:
+            self._refused(rid, exc)
             return
         try:
             self.gateway.take_request(self.limiter)
         except RateLimited as exc:
+            self.gateway.release()
             self._rate_limited(rid, exc)
             return
-        self.tasks[rid] = asyncio.create_task(self._serve(rid, msg))
+        self.tasks[rid] = asyncio.create_task(self._serve(rid, msg))  # admit() gives the slot back
+
+    def _refused(self, rid: str, exc: Refused) -> None:
+        r = exc.refusal
+        self.out.put(Error(code=r.code, id=rid, retry_after_ms=r.retry_after_ms, message=r.message))
 
     def _rate_limited(self, rid: str, exc: RateLimited) -> None:
         self.out.put(Error(code="rate_limited", id=rid, retry_after_ms=exc.wait_ms,
@@ -154,8 +160,10 @@ class Connection:
             messages = [{"role": m.role, "content": m.content} for m in msg.messages] if msg.messages else None
             prompt = msg.prompt if msg.prompt is not None else msg.prompt_token_ids
             return await self.gateway.admit(params=msg.params, limiter=self.limiter, request_id=self._engine_id(rid),
-                                            prompt=prompt, messages=messages,
+                                            prompt=prompt, messages=messages, reserved=True,
                                             parse_special_tokens=msg.parse_special_tokens, cache_salt=msg.cache_salt)
+        except Refused as exc:
+            self._refused(rid, exc)
         except RateLimited as exc:
             self._rate_limited(rid, exc)
         except EngineUnavailable as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import sys
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -60,18 +61,40 @@ class Refusal:
     retry_after_ms: int | None = None
 
 
+class Refused(Exception):
+    def __init__(self, refusal: Refusal):
+        super().__init__(refusal.message)
+        self.refusal = refusal
+
+
 class RateLimited(Exception):
     def __init__(self, wait_ms: int, what: str):
         super().__init__(f"over the {what} per minute limit; retry in {wait_ms} ms")
         self.wait_ms, self.what = wait_ms, what
 
 
+def _is_loopback(hostname: str | None) -> bool:
+    if not hostname:
+        return False
+    if hostname == "localhost" or hostname.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(hostname).is_loopback
+    except ValueError:
+        return False
+
+
 class Gateway:
+    """Admission, in this order: :meth:`reserve` a queue slot (synchronously, so a burst
+    of requests cannot all pass the check before any of them is counted), charge the
+    request rate (:meth:`take_request`; :meth:`release` the slot if that refuses), then
+    :meth:`admit`, which releases the slot whatever happens."""
+
     def __init__(self, engine, options: ServerOptions | None = None):
         self.engine = engine
         self.options = options or ServerOptions()
         self.metrics = ServerMetrics(engine)
-        self.num_admitting = 0  # requests being tokenised (they count towards max_queue)
+        self.num_admitting = 0  # requests holding a slot but not yet submitted (they count towards max_queue)
         self.draining = False
 
     # ---- who may come in ------------------------------------------------------------
@@ -89,16 +112,20 @@ class Gateway:
 
     def origin_allowed(self, origin: str | None, host: str | None) -> bool:
         """Clients that send no Origin (every non-browser client) pass. A browser's Origin
-        must be listed when ``--allow-origin`` gives a list; without one, only the server's
-        own pages (``Origin`` naming the ``Host`` it was sent to) may use it, so that no
-        web page a user happens to visit can drive a model served on their loopback."""
+        must be listed when ``--allow-origin`` gives a list. Without one, only a loopback
+        page of the server itself passes (Origin and Host both loopback and naming the same
+        host:port): no web page a user happens to visit can drive a model served on their
+        machine, not even through DNS rebinding, which controls both headers but cannot make
+        them name a loopback address."""
         if origin is None:
             return True
         allowed = self.options.allowed_origins
         if allowed:
             return origin in allowed
-        return host is not None and urlsplit(origin).netloc == host.lower()
+        parts = urlsplit(origin)
+        return (host is not None and parts.netloc == host.lower() and _is_loopback(parts.hostname))
 
+    # ---- admission --------------------------------------------------------------------
     def refusal(self) -> Refusal | None:
         """Why a new request must wait, or None: shutting down, or the queue is full."""
         if self.draining:
@@ -109,19 +136,39 @@ class Gateway:
             return Refusal("overloaded", f"{queued} requests queued; retry later", self.options.retry_after_ms)
         return None
 
+    def reserve(self) -> None:
+        """Take a queue slot now, or raise Refused. The slot is given back by :meth:`admit`
+        (pass ``reserved=True``) or by :meth:`release`."""
+        if refusal := self.refusal():
+            raise Refused(refusal)
+        self.num_admitting += 1
+
+    def release(self) -> None:
+        self.num_admitting -= 1
+
+    def take_request(self, limiter: RateLimiter) -> None:
+        """Charge one request to ``limiter``; raises RateLimited."""
+        if wait := limiter.take_request():
+            self.metrics.rate_limited.inc()
+            raise RateLimited(wait, "requests")
+
     async def admit(self, *, params: SamplingParams, limiter: RateLimiter, request_id: str,
                     prompt: str | list[int] | None = None, messages: list[dict] | None = None,
                     parse_special_tokens: bool | None = None, cache_salt: str | None = None,
-                    fill_max_tokens: bool = False):
-        """Validate, tokenise off the event loop, charge ``limiter``, submit: the engine's
-        request state. ``fill_max_tokens``: the request gave no max_tokens, so it may use the
-        rest of the context or of the KV pool (vLLM's default). Raises ClientError (bad input, naming the
-        parameter), RateLimited, or EngineUnavailable."""
+                    fill_max_tokens: bool = False, reserved: bool = False):
+        """Validate, tokenise off the event loop, charge ``limiter``'s tokens, submit: the
+        engine's request state. ``reserved``: the caller holds a slot from :meth:`reserve`
+        (else one is taken here). ``fill_max_tokens``: the request gave no max_tokens, so it
+        may use the rest of the context or of the KV pool (vLLM's default). Raises Refused
+        (full, or shutting down — checked again after tokenising, so nothing is submitted
+        once a drain has begun), ClientError (bad input, naming the parameter), RateLimited,
+        or EngineUnavailable."""
         engine, o = self.engine, self.options
-        if params.timeout_s is None and o.default_timeout_s is not None:
-            params = msgspec.structs.replace(params, timeout_s=o.default_timeout_s)
-        self.num_admitting += 1
+        if not reserved:
+            self.reserve()
         try:
+            if params.timeout_s is None and o.default_timeout_s is not None:
+                params = msgspec.structs.replace(params, timeout_s=o.default_timeout_s)
             params.validate(engine.model_config.vocab_size)  # before spending time on the prompt
             ids = await engine.prompt_ids_async(prompt, messages, parse_special_tokens)
             if fill_max_tokens:  # the rest of the context, or of the KV pool where that is smaller
@@ -130,18 +177,14 @@ class Gateway:
             if wait := limiter.take_tokens(len(ids) + params.max_tokens):
                 self.metrics.rate_limited.inc()
                 raise RateLimited(wait, "tokens")
+            if self.draining:
+                raise Refused(Refusal("shutting_down", "the server is shutting down"))
             return engine.submit(ids, params, request_id=request_id, cache_salt=cache_salt)
         except EngineUnavailable:
             self.metrics.engine_unavailable.inc()
             raise
         finally:
-            self.num_admitting -= 1
-
-    def take_request(self, limiter: RateLimiter) -> None:
-        """Charge one request to ``limiter``; raises RateLimited."""
-        if wait := limiter.take_request():
-            self.metrics.rate_limited.inc()
-            raise RateLimited(wait, "requests")
+            self.release()
 
 
 class FrontendHost:
@@ -182,7 +225,7 @@ class FrontendHost:
             f.stop_accepting()
         loop = asyncio.get_running_loop()
         end = loop.time() + deadline_s
-        while self.engine.num_unfinished and loop.time() < end:
+        while (self.engine.num_unfinished or self.gateway.num_admitting) and loop.time() < end:
             await asyncio.sleep(0.05)
         for f in self.frontends:
             try:

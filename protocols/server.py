@@ -31,7 +31,7 @@ from websockets.datastructures import Headers
 from websockets.http11 import Response
 
 from tokenloom.protocols.connection import Connection
-from tokenloom.protocols.gateway import LOOPBACK, Gateway, ServerOptions  # noqa: F401 (re-exported)
+from tokenloom.protocols.gateway import Gateway, ServerOptions  # noqa: F401 (ServerOptions re-exported)
 
 log = structlog.get_logger("tokenloom.server")
 SUBPROTOCOL, BEARER_SUBPROTOCOL = "tokenloom.v1", "tokenloom.bearer."
@@ -72,9 +72,6 @@ class TokenServer:
 
     async def start(self) -> None:
         o = self.options
-        if o.host not in LOOPBACK and not o.api_key:
-            log.warning("binding_without_api_key", host=o.host,
-                        hint="anyone who can reach this address can use the model; set TOKENLOOM_API_KEY")
         self._server = await serve(self._handle, o.host, o.port, max_size=o.max_frame_bytes,
                                    process_request=self._process_request, server_header=None,
                                    select_subprotocol=_select_subprotocol,

@@ -57,3 +57,22 @@ def test_partial_stop_prefix_is_released_when_it_cannot_match(tok):
 def test_stop_string_across_tokens_in_multibyte_text(tok):
     d, deltas = _feed(tok, "naïve→end", stop=["→"])
     assert "".join(deltas) == "naïve" and d.stopped
+
+
+def test_token_bytes_spell_out_the_text_byte_for_byte(tok):
+    text = "Ünïcödé — 東京 🚀 plain <|im_end|> tail"
+    ids = tok.encode(text, parse_special_tokens=True)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    assert any(len(tok.token_bytes(i)) == 1 and tok.token_bytes(i)[0] >= 0x80 for i in ids)  # parts of a character
+
+
+@pytest.mark.slow
+def test_token_bytes_of_the_embedded_model():
+    from gguf import GGUFReader
+
+    from tokenloom.core.loader.gguf_file import read_metadata
+    from tokenloom.core.loader.resolve import resolve_model_path
+
+    tok = Tokenizer.from_gguf_metadata(read_metadata(GGUFReader(resolve_model_path("smollm2-135m"))))
+    text = "The capital of France is Paris. Ünïcödé — 東京 🚀\n\tindented"
+    assert b"".join(tok.token_bytes(i) for i in tok.encode(text)) == text.encode()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -18,7 +19,7 @@ from tokenloom.core.interfaces import Frontend
 from tokenloom.core.outputs import Finished
 from tokenloom.core.plugins import PluginManager
 from tokenloom.core.sampling_params import SamplingParams
-from tokenloom.protocols.gateway import FrontendHost, RateLimited, ServerOptions
+from tokenloom.protocols.gateway import FrontendHost, RateLimited, Refused, ServerOptions
 from tokenloom.protocols.ratelimit import RateLimiter, RateLimits
 
 from conftest import tiny_engine_kwargs, wait_idle
@@ -58,15 +59,18 @@ class LineFrontend:
     async def _client(self, reader, writer) -> None:
         limiter = RateLimiter(self.gateway.options.rate_limits)
         async for line in reader:
-            if refusal := self.gateway.refusal():
-                writer.write(json.dumps({"error": refusal.code}).encode() + b"\n")
-                continue
             try:
-                self.gateway.take_request(limiter)
-                req = await self.gateway.admit(params=SamplingParams(max_tokens=self.options.max_tokens, ignore_eos=True),
-                                               limiter=limiter, request_id=f"line-{id(line)}", prompt=line.decode())
-            except RateLimited as exc:
-                writer.write(json.dumps({"error": "rate_limited", "wait_ms": exc.wait_ms}).encode() + b"\n")
+                self.gateway.reserve()
+                try:
+                    self.gateway.take_request(limiter)
+                except RateLimited:
+                    self.gateway.release()
+                    raise
+                params = SamplingParams(max_tokens=self.options.max_tokens, ignore_eos=True)
+                req = await self.gateway.admit(params=params, limiter=limiter, request_id=f"line-{id(line)}",
+                                               prompt=line.decode(), reserved=True)
+            except (Refused, RateLimited) as exc:
+                writer.write(json.dumps({"error": type(exc).__name__}).encode() + b"\n")
                 continue
             self.running.add(req.seq.request_id)
             async for item in self.engine.stream(req):
@@ -76,6 +80,14 @@ class LineFrontend:
             self.running.discard(req.seq.request_id)
             await writer.drain()
         writer.close()
+
+
+class SlowSteps:
+    """Each engine step takes >= 5 ms, so a 900-token request runs >= 4.5 s on any machine."""
+
+    @hookimpl
+    def step_finished(self, stats):
+        time.sleep(0.005)
 
 
 class LinePlugin:
@@ -88,8 +100,8 @@ class LinePlugin:
 async def host_factory(tiny_model_dir):
     made = []
 
-    async def make(frontends: dict, **server_options):
-        pm = PluginManager(load_entry_points=False, extra=[LinePlugin()])
+    async def make(frontends: dict, slow: bool = False, **server_options):
+        pm = PluginManager(load_entry_points=False, extra=[LinePlugin(), *([SlowSteps()] if slow else [])])
         config = config_from_sources(pm, None, None, tiny_engine_kwargs(tiny_model_dir, frontends=frontends))
         engine = AsyncEngine(config, plugin_manager=pm)
         host = FrontendHost(engine, ServerOptions(**server_options))
@@ -111,6 +123,13 @@ def _post(url: str, body: dict):
             return r.status, dict(r.headers), json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, {k.lower(): v for k, v in e.headers.items()}, json.loads(e.read())
+
+
+async def _until(condition, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "timed out waiting"
+        await asyncio.sleep(0.005)
 
 
 def _read_stream(base: str, body: dict) -> list[str]:
@@ -142,17 +161,18 @@ async def test_a_third_party_frontend_mounts_beside_the_built_in_ones(host_facto
 
 async def test_the_queue_limit_counts_requests_of_every_frontend(host_factory):
     host, fronts = await host_factory({"enabled": ["line", "openai"], "line": {"max_tokens": 900},
-                                       "openai": {"port": 0}}, max_queue=1)
+                                       "openai": {"port": 0}}, slow=True, max_queue=1)
     port = int(fronts["line"].urls()[0].rsplit(":", 1)[1])
     long = asyncio.ensure_future(_ask(port, "a long one"))
-    while host.engine.num_unfinished == 0:
-        await asyncio.sleep(0.005)
+    await _until(lambda: host.engine.num_unfinished == 1)
     base = fronts["openai"].urls()[0]
     loop = asyncio.get_running_loop()
     status, headers, body = await loop.run_in_executor(None, _post, base + "/chat/completions", {
         "model": host.engine.config.engine.model, "messages": [{"role": "user", "content": "hi"}]})
     assert status == 503 and body["error"]["code"] == "overloaded" and int(headers["retry-after"]) >= 1
-    await long
+    assert not long.done()
+    host.engine.abort(next(iter(fronts["line"].running)))
+    assert (await long)["finish_reason"] == "aborted"
     await wait_idle(host.engine)
 
 
@@ -170,14 +190,13 @@ async def test_openai_rate_limit_is_429_with_retry_after(host_factory):
 
 async def test_one_shutdown_ends_every_frontends_requests(host_factory):
     host, fronts = await host_factory({"enabled": ["line", "openai"], "line": {"max_tokens": 900},
-                                       "openai": {"port": 0}})
+                                       "openai": {"port": 0}}, slow=True)
     port = int(fronts["line"].urls()[0].rsplit(":", 1)[1])
     long = asyncio.ensure_future(_ask(port, "a long one"))
     body = {"model": host.engine.config.engine.model, "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 900, "ignore_eos": True, "stream": True}
     sse = asyncio.get_running_loop().run_in_executor(None, _read_stream, fronts["openai"].urls()[0], body)
-    while host.engine.num_unfinished < 2:
-        await asyncio.sleep(0.005)
+    await _until(lambda: host.engine.num_unfinished == 2)
     await host.shutdown(0)
     assert (await long)["finish_reason"] == "aborted"
     events = await sse  # the stream ends properly: its finish chunk, then [DONE]
@@ -191,8 +210,8 @@ async def test_without_an_origin_list_browsers_must_come_from_the_server_itself(
     base = fronts["openai"].urls()[0]
     loop = asyncio.get_running_loop()
 
-    def get(origin: str) -> int:
-        req = urllib.request.Request(base + "/models", headers={"Origin": origin})
+    def get(origin: str, host: str | None = None) -> int:
+        req = urllib.request.Request(base + "/models", headers={"Origin": origin, **({"Host": host} if host else {})})
         try:
             with urllib.request.urlopen(req, timeout=10) as r:
                 return r.status
@@ -201,3 +220,40 @@ async def test_without_an_origin_list_browsers_must_come_from_the_server_itself(
 
     assert await loop.run_in_executor(None, get, "https://evil.example") == 403
     assert await loop.run_in_executor(None, get, base.removesuffix("/v1")) == 200
+    # DNS rebinding: the attacker's name resolves to 127.0.0.1, so the page's Origin and the
+    # Host header agree, but neither is a loopback name
+    port = base.rsplit(":", 1)[1].split("/")[0]
+    assert await loop.run_in_executor(None, get, f"http://evil.example:{port}", f"evil.example:{port}") == 403
+
+
+async def test_a_shutdown_during_admission_submits_nothing_and_every_client_hears(host_factory, monkeypatch):
+    """Requests still being tokenised when the drain begins are refused, not submitted after it."""
+    from tokenloom.protocols.client import Client, RequestError
+
+    host, fronts = await host_factory({"enabled": ["websocket", "openai"], "websocket": {"port": 0},
+                                       "openai": {"port": 0}})
+    engine = host.engine
+    slow_tokenise = engine.prompt_ids_async
+
+    async def prompt_ids_async(*args, **kwargs):
+        await asyncio.sleep(0.5)
+        return await slow_tokenise(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "prompt_ids_async", prompt_ids_async)
+    body = {"model": engine.config.engine.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    http = asyncio.get_running_loop().run_in_executor(None, _post, fronts["openai"].urls()[0] + "/chat/completions",
+                                                      body)
+    async with Client(fronts["websocket"].urls()[0]) as ws:
+        ws_request = asyncio.ensure_future(_drain(ws.generate("hi", params={"max_tokens": 4})))
+        await _until(lambda: host.gateway.num_admitting == 2)
+        await host.shutdown(0)
+        with pytest.raises(RequestError) as info:
+            await ws_request
+        assert info.value.code == "shutting_down"
+    status, _, answer = await http
+    assert status == 503 and answer["error"]["code"] == "shutting_down"
+    assert host.gateway.num_admitting == 0 and engine.num_unfinished == 0 and engine.cache.num_used_blocks == 0
+
+
+async def _drain(events):
+    return [ev async for ev in events]

@@ -127,8 +127,14 @@ def test_completions_whole_streamed_and_logprobs(client):
     c = whole.choices[0]
     assert whole.object == "text_completion" and whole.usage.completion_tokens == 8
     assert len(c.logprobs.tokens) == 8 and len(c.logprobs.token_logprobs) == 8
-    assert all(len(top) <= 2 for top in c.logprobs.top_logprobs)
     assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+    offsets = c.logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(c.text)
+    # 20 alternatives spelled 20 ways: a byte that is part of a character is `bytes:\xNN`,
+    # so tokens that would all print as U+FFFD do not collide in the legacy dict
+    wide = client.completions.create(model=model, prompt="Once upon", temperature=0, max_tokens=4, logprobs=20)
+    assert all(len(top) == 20 for top in wide.choices[0].logprobs.top_logprobs)
+    assert any(k.startswith("bytes:\\x") for top in wide.choices[0].logprobs.top_logprobs for k in top)
     streamed = "".join(ch.choices[0].text for ch in client.completions.create(
         model=model, prompt="Once upon", temperature=0, max_tokens=8, stream=True) if ch.choices)
     assert streamed == c.text
@@ -139,6 +145,10 @@ def test_completions_whole_streamed_and_logprobs(client):
                                           top_logprobs=3, seed=7, stop=["\n\n"], presence_penalty=0.5)
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens and all(len(t.top_logprobs) == 3 for t in content)
+    for t in content:  # `bytes` are the token's own bytes; `token` is their text where they are whole
+        raw = bytes(t.bytes)
+        assert t.token == (raw.decode() if not t.token.startswith("bytes:") else "bytes:" + "".join(
+            f"\\x{b:02x}" for b in raw))
     # greedy: the chosen token is the most likely one
     assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)
 
@@ -286,7 +296,11 @@ def test_routes_methods_and_origins(served):
     assert status == 200 and headers["access-control-allow-origin"] == ORIGIN
     status, headers, _ = _http(base + "/v1/chat/completions", method="OPTIONS", key=None,
                                headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST"})
-    assert status == 204 and "Authorization" in headers["access-control-allow-headers"]
+    assert status == 204 and "authorization" in headers["access-control-allow-headers"].lower()
+    asked = "authorization, content-type, x-stainless-lang"  # what OpenAI's JS client asks for
+    status, headers, _ = _http(base + "/v1/chat/completions", method="OPTIONS", key=None,
+                               headers={"Origin": ORIGIN, "Access-Control-Request-Headers": asked})
+    assert status == 204 and headers["access-control-allow-headers"] == asked
 
 
 def test_the_example_client_runs_unchanged(served):

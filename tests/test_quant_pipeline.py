@@ -50,7 +50,7 @@ def test_batches_above_quant_max_rows_use_the_dense_copy(tmp_path, tiny_hf_model
 
 
 def test_the_crossing_to_the_dense_copy_is_measured_per_shape(tmp_path, tiny_hf_model):
-    from tokenloom.backends.torch_linear import KERNEL_TIMINGS
+    from tokenloom.backends.torch_linear import KERNEL_TIMINGS, TUNE_MARGIN
 
     path = tmp_path / "tiny.gguf"
     write_gguf(path, tiny_hf_model, Q.Q4_1)
@@ -61,13 +61,14 @@ def test_the_crossing_to_the_dense_copy_is_measured_per_shape(tmp_path, tiny_hf_
             w = getattr(layer, name)
             t = KERNEL_TIMINGS[("int4", w.group_size, w.out_features, w.in_features, "float32")]
             assert w.kernel.endswith(f"dense above {w.max_rows} rows (measured)") and w.max_rows == t["max_rows"]
-            # the quantised kernel is kept exactly while it was measured no slower, row count by row count
+            # the quantised kernel is kept exactly while it was measured at most TUNE_MARGIN slower
+            slack = 1 + TUNE_MARGIN
             kept = [r for r, q, d in zip(t["rows"], t["quantised_us"], t["dense_us"], strict=True) if r <= w.max_rows]
-            assert all(q <= d for r, q, d in zip(t["rows"], t["quantised_us"], t["dense_us"], strict=True)
+            assert all(q <= d * slack for r, q, d in zip(t["rows"], t["quantised_us"], t["dense_us"], strict=True)
                        if r in kept)
             if w.max_rows < t["rows"][-1]:
                 i = t["rows"].index(w.max_rows) + 1 if w.max_rows else 0
-                assert t["quantised_us"][i] > t["dense_us"][i]
+                assert t["quantised_us"][i] > t["dense_us"][i] * slack
 
 
 def test_unknown_quantizer_names_the_known_ones(tmp_path, tiny_hf_model):

@@ -352,3 +352,28 @@ async def test_serve_drains_and_exits_1_when_the_engine_gives_up(make_server, ca
     serving = asyncio.ensure_future(serve_until_stopped(server, stop))
     stop.set()
     assert await asyncio.wait_for(serving, 10) == 0
+
+
+async def test_a_burst_of_generates_cannot_overshoot_the_queue_limit(make_server):
+    """Ten frames sent back to back: each takes its queue slot as it is read, so only
+    max_queue of them are accepted, the rest hear `overloaded` at once."""
+    from tokenloom.protocols.messages import Accepted, Error
+
+    server, url = await make_server(max_queue=2)
+    async with connect(url) as ws:
+        decode_server(await ws.recv())  # session
+        for i in range(10):
+            await ws.send(json.dumps({"type": "generate", "id": f"b{i}", "prompt": "go",
+                                      "params": {"max_tokens": 900, "ignore_eos": True}}))
+        accepted, refused = set(), set()
+        while len(accepted) + len(refused) < 10:
+            msg = decode_server(await ws.recv())
+            if isinstance(msg, Accepted):
+                accepted.add(msg.id)
+            elif isinstance(msg, Error):
+                assert msg.code == "overloaded", msg
+                refused.add(msg.id)
+        assert len(accepted) == 2 and len(refused) == 8
+        for rid in accepted:
+            await ws.send(json.dumps({"type": "cancel", "id": rid}))
+    await wait_idle(server.engine)

@@ -177,9 +177,10 @@ def sampling_params(req: _Sampling, num_logprobs: int | None) -> tuple[SamplingP
 
 
 # ---- responses -------------------------------------------------------------------------
-def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+def error_body(message: str, *, kind: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    """OpenAI's error shape; ``kind`` is its ``type`` (invalid_request_error, server_error, ...)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def usage_body(usage) -> dict:
@@ -193,23 +194,41 @@ def finish_reason(reason: str) -> str:
     return {"stop": "stop", "length": "length", "aborted": "abort"}.get(reason, reason)
 
 
+def token_text(tokenizer, token_id: int) -> tuple[str, bytes]:
+    """A token as OpenAI spells it in logprobs: its text, or ``bytes:\\xe6\\x9d`` where its
+    bytes are part of a UTF-8 character (so distinct tokens never share a spelling), and the
+    bytes themselves."""
+    raw = tokenizer.token_bytes(token_id)
+    try:
+        return raw.decode(), raw
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
+
 def chat_logprobs(tokenizer, entries) -> dict:
     def one(token_id: int, logprob: float) -> dict:
-        token = tokenizer.decode([token_id], skip_special_tokens=False)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+        text, raw = token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t.token_id, t.logprob) for t in e.top]}
                         for e in entries]}
 
 
-def completion_logprobs(tokenizer, entries, text_offset: int) -> dict:
-    tokens, offsets = [], []
+def completion_logprobs(tokenizer, entries, offset: int, text_len: int) -> dict:
+    """The legacy shape. ``text_offset`` counts characters of the returned text: the
+    tokens of one piece of ``text_len`` characters starting at ``offset`` advance by the
+    characters their bytes complete, never past the piece's end."""
+    tokens, offsets, pending, done = [], [], b"", 0
     for e in entries:
-        token = tokenizer.decode([e.token_id], skip_special_tokens=False)
-        tokens.append(token)
-        offsets.append(text_offset)
-        text_offset += len(token)
+        text, raw = token_text(tokenizer, e.token_id)
+        tokens.append(text)
+        offsets.append(offset + min(done, text_len))
+        pending += raw
+        try:  # a character counts once its last byte has come
+            done += len(pending.decode())
+            pending = b""
+        except UnicodeDecodeError:
+            pass
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{tokenizer.decode([t.token_id], skip_special_tokens=False): t.logprob for t in e.top}
-                             for e in entries],
+            "top_logprobs": [{token_text(tokenizer, t.token_id)[0]: t.logprob for t in e.top} for e in entries],
             "text_offset": offsets}
