@@ -41,6 +41,10 @@ class TorchBackendOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
     # 8-bit weights with per-group scales (GGUF Q8_0) are re-quantised to one scale per row so
     # the int8 kernel can run them (a second rounding); false dequantises them instead.
     int8_regroup: bool = True
+    # Decode attention on CPU: "fused" reads the KV blocks in place with one C++ op
+    # (kernels/cpu_paged_attention.py, built on first use); "torch" gathers each context with
+    # torch ops; "auto" takes fused where it builds, else torch.
+    decode_attention: str = "auto"
 
 
 @dataclass(slots=True)
@@ -49,7 +53,9 @@ class TorchAttnMeta:
     decode_rows: torch.Tensor | None  # [B] rows of q that decode one token
     decode_blocks: torch.Tensor | None  # [B * max_blocks] block ids, padded with block 0
     decode_bias: torch.Tensor | None  # [B, 1, max_blocks * block_size] 0 where valid, -inf past the context
-    prefills: list  # (q_start, q_end, blocks [n] or None, context_len, mask [q, ctx] or None)
+    prefills: list
+    decode_tables: torch.Tensor | None = None  # [B, max_blocks] (the fused op's block tables)
+    decode_lens: torch.Tensor | None = None  # [B] context lengths (the fused op's)  # (q_start, q_end, blocks [n] or None, context_len, mask [q, ctx] or None)
 
 
 KV_STORAGE = {"fp8": (torch.float8_e4m3fn, 448.0), "int8": (torch.int8, 127.0)}  # dtype, qmax
@@ -148,6 +154,21 @@ class TorchBackend:
             raise ConfigError(f"backend.cpu_linear must be dual, mkl or onednn, got {self.cpu_linear!r}")
         if self.cpu_linear != "mkl" and not torch.backends.mkldnn.is_available():
             self.cpu_linear = "mkl"
+        if options.decode_attention not in ("auto", "fused", "torch"):
+            from tokenloom.core.errors import ConfigError
+
+            raise ConfigError(f"backend.decode_attention must be auto, fused or torch, got {options.decode_attention!r}")
+        self.fused_decode = None  # the C++ paged decode attention ops (a module), when in use
+        if options.decode_attention != "torch" and self.device.type == "cpu":
+            from tokenloom.kernels import cpu_paged_attention
+
+            self.fused_decode = cpu_paged_attention.load()
+            if self.fused_decode is None and options.decode_attention == "fused":
+                from tokenloom.core.errors import ConfigError
+
+                raise ConfigError("backend.decode_attention = fused, but the C++ op could not be built: "
+                                  f"{cpu_paged_attention.unavailable_reason()}")
+        self.decode_attention = "fused" if self.fused_decode is not None else "torch"
 
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                           head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> list[tuple]:
@@ -175,7 +196,14 @@ class TorchBackend:
     def prepare(self, inp: AttentionInputs) -> TorchAttnMeta:
         dev, bs = self.device, inp.block_size
         decode_rows = decode_blocks = decode_bias = None
-        if inp.decode_rows:
+        decode_tables = decode_lens = None
+        if inp.decode_rows and self.fused_decode is not None:  # block tables as they are, no bias
+            max_blocks = (max(inp.decode_context_lens) + bs - 1) // bs
+            table = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in inp.decode_block_tables]
+            decode_tables = torch.tensor(table, dtype=torch.long, device=dev)
+            decode_lens = torch.tensor(inp.decode_context_lens, dtype=torch.long, device=dev)
+            decode_rows = torch.tensor(inp.decode_rows, dtype=torch.long, device=dev)
+        elif inp.decode_rows:
             max_blocks = (max(inp.decode_context_lens) + bs - 1) // bs
             table = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in inp.decode_block_tables]
             decode_blocks = torch.tensor(table, dtype=torch.long, device=dev).view(-1)
@@ -200,7 +228,8 @@ class TorchBackend:
                 mask[span.q_len - len(span.tree_parents):, span.context_len - len(span.tree_parents):] = \
                     _tree_mask(span.tree_parents, dev)
             prefills.append((span.q_start, span.q_end, blocks, span.context_len, mask))
-        return TorchAttnMeta(inp.slot_mapping, decode_rows, decode_blocks, decode_bias, prefills)
+        return TorchAttnMeta(inp.slot_mapping, decode_rows, decode_blocks, decode_bias, prefills, decode_tables,
+                             decode_lens)
 
     def move_kv_slots(self, kv_caches, src: list[int], dst: list[int]) -> None:
         """Copy the KV of flat slots ``src`` to slots ``dst`` in every layer (a tree's
@@ -243,12 +272,12 @@ class TorchBackend:
     def attention(self, q, k, v, k_cache, v_cache, meta: TorchAttnMeta, scale: float):
         """q: [T, H, D]; k, v: [T, KVH, D] (this step's); returns [T, H, D]."""
         if not meta.prefills and meta.decode_rows is not None and meta.decode_rows.numel() == q.shape[0]:
-            return self._decode(q, k_cache, v_cache, meta, scale)  # a pure decode step: rows in order
+            return self._decode_any(q, k_cache, v_cache, meta, scale)  # a pure decode step: rows in order
         out = torch.empty_like(q)
         kv_heads, _, block_size, head_dim = k_cache.shape
         quantized = isinstance(k_cache, QuantizedKV)
         if meta.decode_rows is not None:
-            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta, scale)
+            out[meta.decode_rows] = self._decode_any(q[meta.decode_rows], k_cache, v_cache, meta, scale)
         for q_start, q_end, blocks, context_len, mask in meta.prefills:
             qs = q[q_start:q_end].transpose(0, 1)  # [H, q, D]
             if blocks is None:
@@ -265,6 +294,26 @@ class TorchBackend:
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
             out[q_start:q_end] = o.transpose(0, 1)
         return out
+
+    def decode_attention_block(self, qkv, cos, sin, k_cache, v_cache, meta: TorchAttnMeta, num_heads: int,
+                               scale: float):
+        """A pure decode step with the fused op: RoPE, the KV write and attention in one C++
+        call per layer (kernels/cpu_paged_attention.py). None where it does not apply (a
+        prefill in the step, 8-bit KV, no fused op): the model then calls the ops one by one."""
+        if (self.fused_decode is None or meta.decode_tables is None or meta.prefills
+                or isinstance(k_cache, QuantizedKV) or qkv.dtype != k_cache.dtype
+                or meta.decode_rows.numel() != qkv.shape[0]):
+            return None
+        return self.fused_decode.decode_layer_attention(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                                                        meta.decode_tables, meta.decode_lens, num_heads, scale)
+
+    def _decode_any(self, q, k_cache, v_cache, meta: TorchAttnMeta, scale: float):
+        if meta.decode_tables is not None:
+            if not isinstance(k_cache, QuantizedKV):
+                return self.fused_decode.paged_decode_attention(q, k_cache, v_cache, meta.decode_tables,
+                                                                meta.decode_lens, scale)
+            meta = _padded_decode(meta, k_cache.shape[2])  # 8-bit KV: the torch path dequantises
+        return self._decode(q, k_cache, v_cache, meta, scale)
 
     @staticmethod
     def _decode(q, k_cache, v_cache, meta: TorchAttnMeta, scale: float):
@@ -297,6 +346,18 @@ class TorchBackend:
 
     def silu_mul(self, gate, up):
         return F.silu(gate) * up
+
+
+def _padded_decode(meta: TorchAttnMeta, block_size: int) -> TorchAttnMeta:
+    """The torch path's inputs (flat padded blocks, a -inf bias past each context) from the
+    fused op's (block tables, lengths); built once per step and kept in ``meta``."""
+    if meta.decode_blocks is None:
+        tables, lens = meta.decode_tables, meta.decode_lens
+        valid = torch.arange(tables.shape[1] * block_size, device=lens.device)[None, :] < lens[:, None]
+        meta.decode_bias = torch.zeros(valid.shape, dtype=torch.float32, device=lens.device) \
+            .masked_fill_(~valid, float("-inf"))[:, None, :]
+        meta.decode_blocks = tables.reshape(-1)
+    return meta
 
 
 def _tree_mask(parents: list[int], device) -> torch.Tensor:

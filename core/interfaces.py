@@ -248,6 +248,14 @@ class Backend(Protocol):
         """Attention of this step's queries over the cache; ``k``/``v`` are this step's own
         keys and values (already written by ``write_kv``), for backends that use them directly."""
 
+    def decode_attention_block(self, qkv, cos, sin, k_cache, v_cache, meta: Any, num_heads: int,
+                               scale: float) -> Any:
+        """Optional fast path of a decode step's attention, from a layer's fused qkv output
+        ``[T, (H + 2 KVH) * D]`` and float32 ``cos``/``sin`` of the positions: RoPE on q and
+        k, the KV write and attention in one call; returns ``[T, H * D]`` in qkv's dtype, or
+        None when it does not apply (the model then calls ``write_kv`` and ``attention``).
+        A backend without such a path returns None."""
+
     def rms_norm(self, x, weight, eps: float): ...
 
     def pack_linear(self, spec: WeightSpec, dtype) -> LinearWeight:

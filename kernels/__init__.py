@@ -1,6 +1,9 @@
-"""Triton kernels, each beside its launcher and a plain-torch reference
-(docs/architecture.md describes the layout).
+"""Kernels, each beside its loader and checked against a plain-torch reference.
 
-None has landed yet: the `triton` backend is a later issue. This package exists so the
-layout the design fixes is importable as ``tokenloom.kernels``.
+- ``cpu_paged_attention``: C++ decode attention for CPUs that reads KV blocks where they
+  lie (and a layer-level op that also applies RoPE and writes the new K/V), built on first
+  use with torch's inline extension loader; the torch backend uses it by default
+  (``backend.decode_attention``) and keeps its own ops where it cannot be built.
+
+Triton kernels for the `triton` backend are a later issue.
 """

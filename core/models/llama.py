@@ -57,15 +57,18 @@ class LlamaLayer(nn.Module):
         T = h.shape[0]
         x = backend.rms_norm(h, self.input_norm, cfg.rms_norm_eps).to(dtype)
         qkv = self.qkv.apply(x)
-        # q and k rotate together: one RoPE over [T, heads + kv_heads, head_dim], in float32
-        # (the float32 cos/sin promote a bf16 qkv: the same values as converting it first,
-        # without a copy op)
-        qk = apply_rope(qkv[:, :cfg.q_size + cfg.kv_size].view(T, -1, cfg.head_dim), cos, sin)
-        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-        v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim).to(dtype)
-        k, q = k.to(dtype), q.to(dtype)  # the backend quantises K/V in write_kv if asked
-        backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        attn = backend.attention(q, k, v, k_cache, v_cache, meta, cfg.head_dim**-0.5)
+        scale = cfg.head_dim**-0.5
+        attn = backend.decode_attention_block(qkv, cos, sin, k_cache, v_cache, meta, cfg.num_heads, scale)
+        if attn is None:  # op by op (a prefill in the step, or no fused path)
+            # q and k rotate together: one RoPE over [T, heads + kv_heads, head_dim], in float32
+            # (the float32 cos/sin promote a bf16 qkv: the same values as converting it first,
+            # without a copy op)
+            qk = apply_rope(qkv[:, :cfg.q_size + cfg.kv_size].view(T, -1, cfg.head_dim), cos, sin)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim).to(dtype)
+            k, q = k.to(dtype), q.to(dtype)  # the backend quantises K/V in write_kv if asked
+            backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            attn = backend.attention(q, k, v, k_cache, v_cache, meta, scale)
         # float32 h + a bf16 matmul output adds in float32 (type promotion): no copy op
         h = h + self.o.apply(attn.reshape(T, cfg.q_size).to(dtype))
         x = backend.rms_norm(h, self.post_norm, cfg.rms_norm_eps).to(dtype)

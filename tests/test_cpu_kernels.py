@@ -1,0 +1,131 @@
+"""The fused CPU decode attention (kernels/cpu_paged_attention.py) against the torch path it
+replaces: at odd shapes, op by op, and as greedy outputs of a whole engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenloom import LLM, SamplingParams
+from tokenloom.backends.torch_backend import TorchBackend, TorchBackendOptions
+from tokenloom.core.attention import AttentionInputs
+from tokenloom.core.errors import ConfigError
+from tokenloom.core.models.llama import apply_rope
+from tokenloom.kernels import cpu_paged_attention
+
+from conftest import tiny_engine_kwargs
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = cpu_paged_attention.load()
+    if module is None:
+        pytest.skip(f"the C++ op cannot be built here: {cpu_paged_attention.unavailable_reason()}")
+    return module
+
+
+def _decode_inputs(lens, block_size, num_blocks, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tables = [torch.randperm(num_blocks, generator=g)[:(n + block_size - 1) // block_size].tolist() for n in lens]
+    inp = AttentionInputs(slot_mapping=torch.tensor([t[(n - 1) // block_size] * block_size + (n - 1) % block_size
+                                                     for t, n in zip(tables, lens, strict=True)]),
+                          block_size=block_size)
+    inp.decode_rows = list(range(len(lens)))
+    inp.decode_context_lens = list(lens)
+    inp.decode_block_tables = tables
+    return inp
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(9, 3, 64, 16), (4, 2, 24, 4), (6, 6, 8, 1)])
+def test_paged_decode_attention_matches_the_torch_path(ops, dtype, tol, heads, kv_heads, head_dim, block_size):
+    lens, num_blocks = [1, 17, 45, 5], 64
+    torch.manual_seed(1)
+    k_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim).to(dtype)
+    v_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim).to(dtype)
+    q = torch.randn(len(lens), heads, head_dim).to(dtype)
+    inp = _decode_inputs(lens, block_size, num_blocks)
+    fused, plain = TorchBackend(TorchBackendOptions(decode_attention="fused")), \
+        TorchBackend(TorchBackendOptions(decode_attention="torch"))
+    want = plain.attention(q, None, None, k_cache, v_cache, plain.prepare(inp), head_dim**-0.5)
+    got = fused.attention(q, None, None, k_cache, v_cache, fused.prepare(inp), head_dim**-0.5)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert (got.float() - want.float()).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decode_layer_attention_matches_rope_write_and_attend(ops, dtype, tol):
+    """One call does what the model does op by op: RoPE on q and k, the KV write (the same
+    bits in the same slots), and attention over each context including the new token."""
+    heads, kv_heads, head_dim, block_size, num_blocks = 6, 2, 16, 4, 32
+    lens = [3, 9, 1]
+    torch.manual_seed(2)
+    caches = [torch.randn(kv_heads, num_blocks, block_size, head_dim).to(dtype) for _ in range(2)]
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim).to(dtype)
+    angles = torch.rand(len(lens), head_dim // 2) * 6.28
+    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None, :]
+    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None, :]
+    inp = _decode_inputs(lens, block_size, num_blocks, seed=3)
+
+    plain = TorchBackend(TorchBackendOptions(decode_attention="torch"))
+    k_ref, v_ref = (c.clone() for c in caches)
+    T, qs = len(lens), heads * head_dim
+    qk = apply_rope(qkv[:, :qs + kv_heads * head_dim].view(T, -1, head_dim), cos, sin)
+    q, k = qk.split([heads, kv_heads], dim=1)
+    v = qkv[:, qs + kv_heads * head_dim:].view(T, kv_heads, head_dim)
+    meta = plain.prepare(inp)
+    plain.write_kv(k_ref, v_ref, k.to(dtype), v, meta.slot_mapping)
+    want = plain.attention(q.to(dtype), None, None, k_ref, v_ref, meta, head_dim**-0.5).reshape(T, qs)
+
+    fused = TorchBackend(TorchBackendOptions(decode_attention="fused"))
+    k_got, v_got = (c.clone() for c in caches)
+    got = fused.decode_attention_block(qkv, cos, sin, k_got, v_got, fused.prepare(inp), heads, head_dim**-0.5)
+    assert torch.equal(v_got, v_ref)
+    assert (k_got.float() - k_ref.float()).abs().max().item() <= (1e-6 if dtype == torch.float32 else 1e-2)
+    assert (got.float() - want.float()).abs().max().item() < tol
+
+
+def test_the_fused_path_steps_aside_where_it_does_not_apply(ops):
+    backend = TorchBackend(TorchBackendOptions(decode_attention="fused"))
+    inp = _decode_inputs([5], 4, 8)
+    meta = backend.prepare(inp)
+    qkv = torch.randn(1, (2 + 2) * 8)
+    caches = [torch.zeros(1, 8, 4, 8) for _ in range(2)]
+    cos = sin = torch.ones(1, 1, 8)
+    assert backend.decode_attention_block(qkv.bfloat16(), cos, sin, *caches, meta, 2, 0.3) is None  # dtype differs
+    assert backend.decode_attention_block(qkv, cos, sin, *caches, meta, 2, 0.3) is not None
+    assert TorchBackend(TorchBackendOptions(decode_attention="torch")).decode_attention_block(
+        qkv, cos, sin, *caches, meta, 2, 0.3) is None
+    with pytest.raises(ConfigError, match="decode_attention"):
+        TorchBackend(TorchBackendOptions(decode_attention="fast"))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_greedy_outputs_are_the_same_with_and_without_the_fused_op(ops, tiny_model_dir, kv_cache_dtype):
+    """Continuous batching mixes prefill and decode steps; 8-bit KV takes the torch path."""
+    prompts = [[3 + i for i in range(n)] for n in (5, 23, 40, 9)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    outs, logprobs = {}, {}
+    for mode in ("fused", "torch"):
+        kw = tiny_engine_kwargs(tiny_model_dir, backend={"name": "torch", "decode_attention": mode},
+                                kv_cache_dtype=kv_cache_dtype)
+        with LLM(**kw) as llm:
+            assert llm.engine.runner.backend.decode_attention == mode
+            streams = llm.run(_streams(llm.engine, prompts, params))
+        outs[mode] = [[t for d in deltas for t in d.token_ids] for deltas in streams]
+        logprobs[mode] = torch.tensor([lp.logprob for deltas in streams for d in deltas for lp in d.logprobs])
+    assert outs["fused"] == outs["torch"]
+    # and not by luck: the chosen tokens' log-probabilities agree to float32 rounding
+    assert (logprobs["fused"] - logprobs["torch"]).abs().max().item() < 1e-4
+
+
+async def _streams(engine, prompts, params) -> list[list]:
+    """Every request's deltas, all requests in flight at once (continuous batching)."""
+    import asyncio
+
+    from tokenloom.core.outputs import TokenDelta
+
+    async def one(prompt):
+        return [d async for d in engine.generate(prompt, params) if isinstance(d, TokenDelta)]
+
+    return list(await asyncio.gather(*(one(p) for p in prompts)))
