@@ -46,7 +46,10 @@ results: $(STAMP)
 
 # Peers for `tokenloom bench peers`: llama-cpp-python (compiles llama.cpp) and llama-server.
 peers: $(STAMP)
-	$(PIP) install -q -e '.[peers]'
+	# llama-cpp-python compiles llama.cpp for this CPU; without AMX where the CPU has it (see the script)
+	if grep -q amx_tile /proc/cpuinfo 2>/dev/null; then \
+		CMAKE_ARGS="-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" $(PIP) install -q -e '.[peers]'; \
+	else $(PIP) install -q -e '.[peers]'; fi
 	PYTHON=$(PY) scripts/build-llama-server.sh .peers
 
 clean:

@@ -12,8 +12,17 @@ if [ ! -f "$DEST/src/llama_cpp_python-$VERSION.tar.gz" ]; then
 fi
 tar xzf "$DEST/src/llama_cpp_python-$VERSION.tar.gz" -C "$DEST/src"
 SRC="$DEST/src/llama_cpp_python-$VERSION/vendor/llama.cpp"
-cmake -S "$SRC" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
+# -march=native, except AMX: on a Xeon with AMX, llama.cpp's AMX kernels die with SIGILL
+# (`tilezero`) in this sandbox, so they are left out wherever the CPU has them.
+AMX_OFF=""
+if grep -q amx_tile /proc/cpuinfo 2>/dev/null; then
+    AMX_OFF="-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+    echo "CPU has AMX: building without llama.cpp's AMX kernels"
+fi
+# shellcheck disable=SC2086
+cmake -S "$SRC" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON $AMX_OFF \
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON > "$DEST/cmake.log"
-cmake --build "$DEST/build" --target llama-server -j "$(nproc)" >> "$DEST/cmake.log"
-ln -sf build/bin/llama-server "$DEST/llama-server"  # it links to the shared libs beside it
-echo "built $DEST/llama-server"
+cmake --build "$DEST/build" --target llama-server llama-bench -j "$(nproc)" >> "$DEST/cmake.log"
+ln -sf build/bin/llama-server "$DEST/llama-server"  # they link to the shared libs beside them
+ln -sf build/bin/llama-bench "$DEST/llama-bench"
+echo "built $DEST/llama-server and $DEST/llama-bench"
