@@ -42,7 +42,7 @@ class TorchBackendOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
     # the int8 kernel can run them (a second rounding); false dequantises them instead.
     int8_regroup: bool = True
     # Decode attention on CPU: "fused" reads the KV blocks in place with one C++ op
-    # (kernels/cpu_paged_attention.py, built on first use); "torch" gathers each context with
+    # (kernels/cpu_ops.py, built on first use); "torch" gathers each context with
     # torch ops; "auto" takes fused where it builds, else torch.
     decode_attention: str = "auto"
 
@@ -160,14 +160,14 @@ class TorchBackend:
             raise ConfigError(f"backend.decode_attention must be auto, fused or torch, got {options.decode_attention!r}")
         self.fused_decode = None  # the C++ paged decode attention ops (a module), when in use
         if options.decode_attention != "torch" and self.device.type == "cpu":
-            from tokenloom.kernels import cpu_paged_attention
+            from tokenloom.kernels import cpu_ops
 
-            self.fused_decode = cpu_paged_attention.load()
+            self.fused_decode = cpu_ops.load()
             if self.fused_decode is None and options.decode_attention == "fused":
                 from tokenloom.core.errors import ConfigError
 
                 raise ConfigError("backend.decode_attention = fused, but the C++ op could not be built: "
-                                  f"{cpu_paged_attention.unavailable_reason()}")
+                                  f"{cpu_ops.unavailable_reason()}")
         self.decode_attention = "fused" if self.fused_decode is not None else "torch"
 
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -298,7 +298,7 @@ class TorchBackend:
     def decode_attention_block(self, qkv, cos, sin, k_cache, v_cache, meta: TorchAttnMeta, num_heads: int,
                                scale: float):
         """A pure decode step with the fused op: RoPE, the KV write and attention in one C++
-        call per layer (kernels/cpu_paged_attention.py). None where it does not apply (a
+        call per layer (kernels/cpu_ops.py). None where it does not apply (a
         prefill in the step, 8-bit KV, no fused op): the model then calls the ops one by one."""
         if (self.fused_decode is None or meta.decode_tables is None or meta.prefills
                 or isinstance(k_cache, QuantizedKV) or qkv.dtype != k_cache.dtype
@@ -338,6 +338,16 @@ class TorchBackend:
     def rms_norm(self, x, weight, eps: float):
         return F.rms_norm(x.float(), (x.shape[-1],), weight, eps)
 
+    def add_rms_norm(self, h, delta, weight, eps: float, dtype):
+        """The residual stream ``h`` (float32) plus ``delta`` (None: nothing to add), and its
+        RMSNorm in ``dtype``: returns ``(x, h + delta)``. With the C++ ops one call, updating
+        ``h`` in place (the model owns it); else add, norm and cast as three torch ops."""
+        if self.fused_decode is not None and h.dtype == torch.float32 and h.dim() == 2 and h.is_contiguous():
+            return self.fused_decode.add_rms_norm(h, delta, weight, eps, dtype), h
+        if delta is not None:
+            h = h + delta
+        return F.rms_norm(h, (h.shape[-1],), weight, eps).to(dtype), h
+
     def pack_linear(self, spec, dtype):
         """Called once per matmul at load time: the LinearWeight this machine computes it
         with (backends/torch_linear.py says which kernel for which spec)."""
@@ -345,6 +355,8 @@ class TorchBackend:
                     int8_regroup=self.int8_regroup)
 
     def silu_mul(self, gate, up):
+        if self.fused_decode is not None and gate.dim() == 2 and gate.stride(1) == 1 and up.stride(1) == 1:
+            return self.fused_decode.silu_mul(gate, up)
         return F.silu(gate) * up
 
 

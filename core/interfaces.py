@@ -258,6 +258,11 @@ class Backend(Protocol):
 
     def rms_norm(self, x, weight, eps: float): ...
 
+    def add_rms_norm(self, h, delta, weight, eps: float, dtype) -> tuple[Any, Any]:
+        """The residual add and the next RMSNorm together: ``(rms_norm(h + delta) in dtype,
+        h + delta)``; ``delta`` None adds nothing. ``h`` is the float32 residual stream, which
+        the model owns: a backend may update it in place."""
+
     def pack_linear(self, spec: WeightSpec, dtype) -> LinearWeight:
         """Called once per matmul at load time, with the spec already on the device: lay
         it out for this machine's kernels (a 4-bit spec stays 4-bit where a kernel exists,

@@ -1,4 +1,4 @@
-"""The fused CPU decode attention (kernels/cpu_paged_attention.py) against the torch path it
+"""The fused CPU decode attention (kernels/cpu_ops.py) against the torch path it
 replaces: at odd shapes, op by op, and as greedy outputs of a whole engine."""
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ from tokenloom.backends.torch_backend import TorchBackend, TorchBackendOptions
 from tokenloom.core.attention import AttentionInputs
 from tokenloom.core.errors import ConfigError
 from tokenloom.core.models.llama import apply_rope
-from tokenloom.kernels import cpu_paged_attention
+from tokenloom.kernels import cpu_ops
 
 from conftest import tiny_engine_kwargs
 
 
 @pytest.fixture(scope="module")
 def ops():
-    module = cpu_paged_attention.load()
+    module = cpu_ops.load()
     if module is None:
-        pytest.skip(f"the C++ op cannot be built here: {cpu_paged_attention.unavailable_reason()}")
+        pytest.skip(f"the C++ op cannot be built here: {cpu_ops.unavailable_reason()}")
     return module
 
 
@@ -83,6 +83,32 @@ def test_decode_layer_attention_matches_rope_write_and_attend(ops, dtype, tol):
     assert torch.equal(v_got, v_ref)
     assert (k_got.float() - k_ref.float()).abs().max().item() <= (1e-6 if dtype == torch.float32 else 1e-2)
     assert (got.float() - want.float()).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, width", [(1, 576), (7, 33), (40, 64)])
+def test_add_rms_norm_and_silu_mul_match_torch(ops, dtype, rows, width):
+    torch.manual_seed(4)
+    h = torch.randn(rows, width) * 30
+    pair = torch.randn(rows, 2 * width).to(dtype)
+    delta = pair[:, :width]  # a strided view, as a fused projection's half is
+    weight = torch.randn(width)
+    fused, plain = TorchBackend(TorchBackendOptions(decode_attention="fused")), \
+        TorchBackend(TorchBackendOptions(decode_attention="torch"))
+    want_x, want_h = plain.add_rms_norm(h, delta, weight, 1e-5, dtype)
+    h_in = h.clone()
+    got_x, got_h = fused.add_rms_norm(h_in, delta, weight, 1e-5, dtype)
+    assert got_h.data_ptr() == h_in.data_ptr() and got_x.dtype == dtype  # the stream, updated in place
+    assert torch.allclose(got_h, want_h, rtol=0, atol=1e-5)
+    ulp = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(got_x.float(), want_x.float(), rtol=ulp, atol=ulp)
+    no_delta, _ = fused.add_rms_norm(h.clone(), None, weight, 1e-5, dtype)
+    assert torch.allclose(no_delta.float(), plain.add_rms_norm(h, None, weight, 1e-5, dtype)[0].float(),
+                          rtol=ulp, atol=ulp)
+
+    gate, up = pair.chunk(2, dim=-1)
+    got, want = fused.silu_mul(gate, up), plain.silu_mul(gate, up)
+    assert got.dtype == dtype and torch.allclose(got.float(), want.float(), rtol=ulp, atol=ulp)
 
 
 def test_the_fused_path_steps_aside_where_it_does_not_apply(ops):

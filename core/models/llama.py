@@ -52,10 +52,13 @@ class LlamaLayer(nn.Module):
         # The matmuls are LinearWeight objects the backend packs at load time (see load_weights).
         self.qkv = self.o = self.gate_up = self.down = None
 
-    def forward(self, h, cos, sin, k_cache, v_cache, meta, backend):
+    def forward(self, h, delta, cos, sin, k_cache, v_cache, meta, backend):
+        """``h + delta`` is the residual stream coming in (``delta``: the previous layer's MLP
+        output, added here together with this layer's first norm); returns the stream after
+        attention and this layer's MLP output, the next layer's ``delta``."""
         cfg, dtype = self.cfg, self.dtype
         T = h.shape[0]
-        x = backend.rms_norm(h, self.input_norm, cfg.rms_norm_eps).to(dtype)
+        x, h = backend.add_rms_norm(h, delta, self.input_norm, cfg.rms_norm_eps, dtype)
         qkv = self.qkv.apply(x)
         scale = cfg.head_dim**-0.5
         attn = backend.decode_attention_block(qkv, cos, sin, k_cache, v_cache, meta, cfg.num_heads, scale)
@@ -70,10 +73,10 @@ class LlamaLayer(nn.Module):
             backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             attn = backend.attention(q, k, v, k_cache, v_cache, meta, scale)
         # float32 h + a bf16 matmul output adds in float32 (type promotion): no copy op
-        h = h + self.o.apply(attn.reshape(T, cfg.q_size).to(dtype))
-        x = backend.rms_norm(h, self.post_norm, cfg.rms_norm_eps).to(dtype)
+        x, h = backend.add_rms_norm(h, self.o.apply(attn.reshape(T, cfg.q_size).to(dtype)), self.post_norm,
+                                    cfg.rms_norm_eps, dtype)
         gate, up = self.gate_up.apply(x).chunk(2, dim=-1)
-        return h + self.down.apply(backend.silu_mul(gate, up))
+        return h, self.down.apply(backend.silu_mul(gate, up))
 
 
 class LlamaModel(nn.Module):
@@ -91,11 +94,13 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         """input_ids, positions: [T]; returns the final hidden states [T, hidden] (float32)."""
-        h = self.embed[input_ids].float()
+        h, delta = self.embed[input_ids].float(), None
+        if h.data_ptr() == self.embed.data_ptr():  # (never: indexing copies) the stream must be ours
+            h = h.clone()
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, k_cache, v_cache, meta, self.backend)
-        return h
+            h, delta = layer(h, delta, cos, sin, k_cache, v_cache, meta, self.backend)
+        return h + delta
 
     @torch.inference_mode()
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:

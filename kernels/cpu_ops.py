@@ -1,4 +1,5 @@
-"""Decode attention that reads the KV blocks where they lie: one C++ op for CPUs.
+"""C++ ops for CPUs: decode attention that reads the KV blocks where they lie, the residual
+add fused with RMSNorm, and SwiGLU's silu * up.
 
 The torch path (``TorchBackend._decode``) gathers every sequence's padded context into a
 new tensor in every layer, converts it, and runs ~20 small ops; at batch 1 on the embedded
@@ -203,6 +204,83 @@ at::Tensor decode_layer_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin
   });
   return out;
 }
+
+// h [T, d] float32, updated in place to h + delta (delta: [T, d] of any float dtype, may be a
+// strided view, or absent); returns RMSNorm(h) * weight as (h * rsqrt(mean(h^2) + eps)) * weight
+// in out_dtype, the order F.rms_norm rounds in.
+at::Tensor add_rms_norm(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor weight, double eps,
+                        at::ScalarType out_dtype) {
+  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "h: contiguous float32 [T, d]");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == h.size(1),
+              "weight: float32 [d]");
+  const int64_t T = h.size(0), d = h.size(1);
+  auto x = at::empty({T, d}, h.options().dtype(out_dtype));
+  float* hp = h.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const bool has_delta = delta.has_value() && delta->defined();
+  if (has_delta) {
+    TORCH_CHECK(delta->dim() == 2 && delta->size(0) == T && delta->size(1) == d && delta->stride(1) == 1,
+                "delta: [T, d] with contiguous rows");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out_dtype, "add_rms_norm", [&] {
+    using out_t = scalar_t;
+    out_t* xp = x.data_ptr<out_t>();
+    auto body = [&](auto* dp, int64_t dstride) {
+      at::parallel_for(0, T, T * d < (1 << 16) ? T : 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> tmp(dp ? d : 0);
+        for (int64_t r = begin; r < end; ++r) {
+          float* hr = hp + r * d;
+          if (dp) {
+            row_to_float(dp + r * dstride, tmp.data(), d);
+_Pragma("omp simd")
+            for (int64_t i = 0; i < d; ++i) hr[i] += tmp[i];
+          }
+          float ss = 0.f;
+_Pragma("omp simd reduction(+ : ss)")
+          for (int64_t i = 0; i < d; ++i) ss += hr[i] * hr[i];
+          const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(eps));
+          for (int64_t i = 0; i < d; ++i) xp[r * d + i] = static_cast<out_t>((hr[i] * inv) * wp[i]);
+        }
+      });
+    };
+    if (!has_delta) {
+      body(static_cast<const float*>(nullptr), 0);
+    } else {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, delta->scalar_type(), "add_rms_norm_delta", [&] {
+        body(delta->data_ptr<scalar_t>(), delta->stride(0));
+      });
+    }
+  });
+  return x;
+}
+
+// SwiGLU's gate: silu(gate) * up, gate and up [T, F] with contiguous rows (e.g. the two halves
+// of one fused projection). Rounded as torch rounds it: silu to the dtype, then the product.
+at::Tensor silu_mul(at::Tensor gate, at::Tensor up) {
+  TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() && gate.scalar_type() == up.scalar_type(),
+              "gate and up: [T, F] of one dtype");
+  TORCH_CHECK(gate.stride(1) == 1 && up.stride(1) == 1, "rows must be contiguous");
+  const int64_t T = gate.size(0), F = gate.size(1);
+  auto out = at::empty({T, F}, gate.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "silu_mul", [&] {
+    const scalar_t* gp = gate.data_ptr<scalar_t>();
+    const scalar_t* upp = up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t gs = gate.stride(0), us = up.stride(0);
+    at::parallel_for(0, T, T * F < (1 << 16) ? T : 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> g(F), u(F);
+      for (int64_t r = begin; r < end; ++r) {
+        row_to_float(gp + r * gs, g.data(), F);
+        row_to_float(upp + r * us, u.data(), F);
+        for (int64_t i = 0; i < F; ++i) {
+          const float s = static_cast<float>(static_cast<scalar_t>(g[i] / (1.f + std::exp(-g[i]))));
+          op[r * F + i] = static_cast<scalar_t>(s * u[i]);
+        }
+      }
+    });
+  });
+  return out;
+}
 """
 
 _lock = threading.Lock()
@@ -221,22 +299,22 @@ def _machine_tag() -> str:
 
 
 def load():
-    """The compiled module (``paged_decode_attention``, ``decode_layer_attention``), or None
-    (the reason logged once) where it cannot be built."""
+    """The compiled module (``paged_decode_attention``, ``decode_layer_attention``,
+    ``add_rms_norm``, ``silu_mul``), or None (the reason logged once) where it cannot be built."""
     with _lock:
         if "op" not in _state:
             _state["op"], _state["error"] = None, None
             try:
                 from torch.utils.cpp_extension import load_inline
 
-                module = load_inline(name=f"tokenloom_paged_attention_{_machine_tag()}", cpp_sources=[_SOURCE],
-                                     functions=["paged_decode_attention", "decode_layer_attention"], verbose=False,
+                module = load_inline(name=f"tokenloom_cpu_ops_{_machine_tag()}", cpp_sources=[_SOURCE],
+                                     functions=["paged_decode_attention", "decode_layer_attention", "add_rms_norm", "silu_mul"], verbose=False,
                                      extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"])
                 _state["op"] = module
             except Exception as exc:  # no compiler, no ninja, no headers: keep the torch path
                 _state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ''}"
-                log.warning("fused_decode_attention_unavailable", reason=_state["error"],
-                            hint="decode attention falls back to the torch path")
+                log.warning("cpu_ops_unavailable", reason=_state["error"],
+                            hint="the torch backend keeps its torch ops")
         return _state["op"]
 
 
