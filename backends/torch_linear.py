@@ -84,10 +84,13 @@ class _QuantisedLinear:
     __slots__ = ()
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        if self.dense is not None and x2.shape[0] > self.max_rows:
+        if x.dim() != 2:
+            return self.apply(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+        if self.dense is not None and x.shape[0] > self.max_rows:
             return self.dense.apply(x)
-        return self.quantised(x2).to(x.dtype).view(*x.shape[:-1], self.out_features)
+        if x.dtype == torch.bfloat16:  # the kernels' own dtype: no conversion op either way
+            return self.quantised(x)
+        return self.quantised(x).to(x.dtype)
 
 
 class Int4Linear(_QuantisedLinear):
@@ -110,8 +113,9 @@ class Int4Linear(_QuantisedLinear):
 
     def quantised(self, x2: torch.Tensor) -> torch.Tensor:
         """The 4-bit kernel itself on ``x2 [rows, in]``, whatever the row count."""
-        return torch._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed, self.group_size,
-                                                 self.scales_zeros)
+        if x2.dtype != torch.bfloat16:
+            x2 = x2.to(torch.bfloat16)
+        return torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_zeros)
 
     def nbytes(self) -> int:
         return self._nbytes
@@ -131,7 +135,9 @@ class Int8Linear(_QuantisedLinear):
 
     def quantised(self, x2: torch.Tensor) -> torch.Tensor:
         """The int8 kernel itself on ``x2 [rows, in]``, whatever the row count."""
-        return torch._weight_int8pack_mm(x2.to(torch.bfloat16), self.weight, self.scales)
+        if x2.dtype != torch.bfloat16:
+            x2 = x2.to(torch.bfloat16)
+        return torch._weight_int8pack_mm(x2, self.weight, self.scales)
 
     def nbytes(self) -> int:
         return self.weight.numel() + self.scales.numel() * 2
