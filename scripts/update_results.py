@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from tokenloom.protocols.bench.decode import format_decode
+from tokenloom.protocols.bench.peers import format_peers
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench-results"
@@ -78,13 +79,9 @@ def render(decode: dict, offline: dict, shared: dict, multi: dict, peers: dict |
         lines.append(f"| {r['combo']} | {t['mean']:.0f} / {t['p50']:.0f} | {r['ttft_speedup']:.1f}x | {hit} |")
     if peers:
         w = peers["workload"]
-        lines += ["", f"**Peers** (`tokenloom bench peers`): {w['num_requests']} requests, prompts {w['prompt_len']}, "
-                      f"outputs {w['output_len']}, {peers['threads']} threads.", "",
-                  "| system | output tok/s | tokenloom is | note |", "| --- | --- | --- | --- |"]
-        for r in peers["results"]:
-            lines.append(f"| {r['system']} | {r['output_tok_s']:.1f} | {r['tokenloom_ratio']:.2f}x | {r['note']} |")
-        for s in peers["skipped"]:
-            lines.append(f"| {s} | - | | skipped |")
+        lines += ["", f"**Peers** (`tokenloom bench peers --concurrency {','.join(map(str, peers['concurrency']))}`): "
+                      f"{w['num_requests']} requests, prompts {w['prompt_len']}, outputs {w['output_len']}, "
+                      f"{peers['threads']} threads.", "", format_peers(peers).split("\n", 2)[2]]
     lines.append(END)
     return "\n".join(lines)
 

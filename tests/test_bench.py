@@ -113,16 +113,19 @@ def test_peers_runs_tokenloom_and_transformers_on_the_same_workload(tiny_model_d
     from conftest import tiny_engine_kwargs
 
     args = argparse.Namespace(config=None, threads=2, num_requests=6, prompt_len="4-12", output_len="3-6",
-                              workload_seed=0, parallel=2, hf_batch_size=4, llama_server=None,
+                              workload_seed=0, concurrency="1,4", llama_server=None,
                               skip=["llama-cpp-python", "llama-server"])
     flags = tiny_engine_kwargs(tiny_model_dir)
     report = run_peers(args, flags, PluginManager(load_entry_points=False))
-    systems = [r["system"] for r in report["results"]]
-    assert systems == ["tokenloom continuous+paged", "transformers generate (static batch 4)"]
-    assert report["results"][0]["tokenloom_ratio"] == 1.0
-    assert report["results"][1]["tokenloom_ratio"] == pytest.approx(
-        report["results"][0]["output_tok_s"] / report["results"][1]["output_tok_s"])
-    assert "tokenloom is" in format_peers(report)
+    rows = [(r["system"], r["concurrency"]) for r in report["results"]]
+    assert rows == [("tokenloom continuous+paged", 1), ("transformers generate", 1),
+                    ("tokenloom continuous+paged", 4), ("transformers generate", 4)]
+    ours, hf = report["results"][2], report["results"][3]
+    assert ours["tokenloom_ratio"] == 1.0 and "static batches of 4" in hf["note"] and "float32" in hf["note"]
+    assert hf["tokenloom_ratio"] == pytest.approx(ours["output_tok_s"] / hf["output_tok_s"])  # same concurrency
+    table = format_peers(report)
+    assert "| system | concurrency 1 | concurrency 4 | note |" in table and "tokenloom is" in table
+    systems = ["tokenloom continuous+paged", "transformers generate"]
     assert plot_peers(report, str(tmp_path / "p.png")) == systems
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -173,3 +176,16 @@ async def test_soak_loses_nothing_under_overload_and_disconnects(make_server):
     assert rep["accepted"] > 20 and rep["disconnected"] > 0 and rep["refused"].get("overloaded", 0) > 0
     assert rep["after"]["kv_blocks_used"] == 0 and rep["lost"] == 0
     assert "lost (accepted, no done) | 0" in format_soak(rep)
+
+
+def test_a_peer_that_crashes_is_a_failure_not_the_end_of_the_run():
+    """Each peer runs in its own process: one dying of a signal (llama.cpp's AMX kernels die
+    with SIGILL on some machines) raises here, and the run goes on."""
+    import os
+    from concurrent.futures.process import BrokenProcessPool
+
+    from tokenloom.protocols.bench.peers import _isolated
+
+    with pytest.raises(BrokenProcessPool):
+        _isolated(os.abort)
+    assert _isolated(os.getpid) != os.getpid()  # and it really was another process

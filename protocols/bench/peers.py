@@ -1,25 +1,29 @@
-"""`tokenloom bench peers`: the same seeded workload through tokenloom and the engines a
-user would otherwise pick, in one run, same prompts (token ids), same output lengths
-(EOS ignored), same thread count.
+"""`tokenloom bench peers --concurrency 1,8,32,64`: the same seeded workload through
+tokenloom and the engines a user would otherwise pick, at each concurrency, in one run:
+same prompts (token ids), same output lengths (EOS ignored), same thread count, and the
+dtype tokenloom runs in wherever the peer has it. Throughput against concurrency is the curve.
 
 Peers, each only if installed (``pip install -e '.[peers]'`` and
-``scripts/build-llama-server.sh``):
-* llama.cpp through llama-cpp-python: one stream, requests one after another;
+``scripts/build-llama-server.sh``), each in its own process so that one that crashes (an
+AMX kernel dying with SIGILL) is reported and skipped instead of ending the run:
+* llama.cpp through llama-cpp-python: one stream, requests one after another (concurrency 1);
 * llama.cpp's ``llama-server --parallel N`` (continuous batching, its fastest batched path),
   driven over loopback HTTP with N requests in flight;
-* Hugging Face transformers ``generate``: static batches, left padding, greedy.
+* Hugging Face transformers ``generate``: static batches of N, left padding, greedy.
+At concurrency N tokenloom runs with ``max_num_seqs = N``.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
 import socket
 import subprocess
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -65,6 +69,13 @@ def run_tokenloom(args, flags, pm) -> tuple[dict, list[BenchRequest]]:
     return _row(f"tokenloom {sched}+{cache}", workload, res["elapsed_s"], dtype), workload
 
 
+def _isolated(fn, *args):
+    """``fn(*args)`` in a fresh process (spawned: no inherited torch threads); a crash there,
+    SIGILL included, raises here (BrokenProcessPool) instead of ending the run."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def run_llama_cpp_single(model_path: Path, workload, threads: int) -> dict | None:
     try:
         from llama_cpp import Llama
@@ -81,7 +92,7 @@ def run_llama_cpp_single(model_path: Path, workload, threads: int) -> dict | Non
                 break
     elapsed = time.perf_counter() - t0
     del llm
-    return _row("llama.cpp (llama-cpp-python, 1 stream)", workload, elapsed, "sequential")
+    return _row("llama.cpp (llama-cpp-python)", workload, elapsed, "one stream, its own Q4_1 kernels")
 
 
 def _free_port() -> int:
@@ -131,20 +142,24 @@ def run_llama_server(binary: str, model_path: Path, workload, threads: int, para
         proc.terminate()
         proc.wait(timeout=30)
     short = sum(p < r.max_tokens for p, r in zip(produced, workload, strict=True))
-    return _row(f"llama.cpp (llama-server, {parallel} parallel)", workload, elapsed,
-                "flash-attn on, per-slot KV" + (f"; {short} requests short" if short else ""))
+    return _row("llama.cpp (llama-server)", workload, elapsed,
+                f"--parallel {parallel}, flash-attn, per-slot KV" + (f"; {short} requests short" if short else ""))
 
 
-def run_transformers(model_path: Path, workload, batch_size: int) -> dict | None:
+def run_transformers(model_path: Path, workload, batch_size: int, dtype: str = "float32",
+                     threads: int | None = None) -> dict | None:
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
         return None
+    if threads:
+        torch.set_num_threads(threads)
+    torch_dtype = getattr(torch, dtype)
     if model_path.is_file():
         model = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
-                                                     dtype=torch.float32)
+                                                     dtype=torch.float32).to(torch_dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch_dtype)
     model.eval()
     pad = 0
     t0 = time.perf_counter()
@@ -161,7 +176,7 @@ def run_transformers(model_path: Path, workload, batch_size: int) -> dict | None
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                            do_sample=False, pad_token_id=pad)
     elapsed = time.perf_counter() - t0
-    return _row(f"transformers generate (static batch {batch_size})", workload, elapsed, "fp32, left padding")
+    return _row("transformers generate", workload, elapsed, f"{dtype}, static batches of {batch_size}, left padding")
 
 
 def run_peers(args, flags: dict, pm: PluginManager) -> dict:
@@ -169,45 +184,66 @@ def run_peers(args, flags: dict, pm: PluginManager) -> dict:
     torch.set_num_threads(threads)
     flags = merge_layers(flags, {"num_threads": threads})
     model_path = resolve_model_path(flags.get("model", "smollm2-135m"))
-    first, workload = run_tokenloom(args, flags, pm)
-    rows = [first]
-    print(f"  {rows[-1]['system']}: {rows[-1]['output_tok_s']:.1f} output tok/s", flush=True)
-    skipped = []
+    levels = [int(c) for c in str(args.concurrency).split(",")]
+    binary = find_llama_server(args.llama_server)
+    rows, skipped = [], []
 
-    def attempt(name: str, hint: str, run) -> None:
+    def attempt(name: str, hint: str, level: int, fn, *fn_args) -> None:
         if name in args.skip:
             return
         try:
-            row = run()
+            row = fn(*fn_args)
         except Exception as exc:  # one broken peer must not cost the others' figures
-            skipped.append(f"{name}: failed ({type(exc).__name__}: {str(exc)[:160]})")
+            skipped.append(f"{name} at {level}: failed ({type(exc).__name__}: {str(exc)[:160]})")
             return
-        (rows.append(row) if row else skipped.append(f"{name}: not installed ({hint})"))
+        if row:
+            rows.append({**row, "concurrency": level})
+            print(f"  {level:>3} {row['system']}: {row['output_tok_s']:.1f} output tok/s", flush=True)
+        elif not any(s.startswith(f"{name}:") for s in skipped):
+            skipped.append(f"{name}: not installed ({hint})")
 
-    attempt("llama-cpp-python", "pip install -e '.[peers]'",
-            lambda: run_llama_cpp_single(model_path, workload, threads))
-    binary = find_llama_server(args.llama_server)
-    attempt("llama-server", "scripts/build-llama-server.sh",
-            lambda: binary and run_llama_server(binary, model_path, workload, threads, args.parallel))
-    attempt("transformers", "pip install -e '.[peers]'",
-            lambda: run_transformers(model_path, workload, args.hf_batch_size))
-    for r in rows[1:]:
-        print(f"  {r['system']}: {r['output_tok_s']:.1f} output tok/s", flush=True)
-    ours = rows[0]["output_tok_s"]
-    for r in rows:
-        r["tokenloom_ratio"] = ratio(ours, r["output_tok_s"])
-    return {"threads": threads, "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
-                                             "output_len": args.output_len, "seed": args.workload_seed},
+    for level in levels:
+        ours, workload = run_tokenloom(args, merge_layers(flags, {"scheduler": {"max_num_seqs": level}}), pm)
+        rows.append({**ours, "concurrency": level})
+        print(f"  {level:>3} {ours['system']}: {ours['output_tok_s']:.1f} output tok/s", flush=True)
+        dtype = ours["note"]
+        if level == 1:
+            attempt("llama-cpp-python", "pip install -e '.[peers]'", level,
+                    _isolated, run_llama_cpp_single, model_path, workload, threads)
+        if binary:
+            attempt("llama-server", "", level, run_llama_server, binary, model_path, workload, threads, level)
+        elif "llama-server" not in args.skip and level == levels[0]:
+            skipped.append("llama-server: not installed (scripts/build-llama-server.sh)")
+        attempt("transformers", "pip install -e '.[peers]'", level,
+                _isolated, run_transformers, model_path, workload, level, dtype, threads)
+    for r in rows:  # tokenloom over the peer at the same concurrency
+        mine = next(x for x in rows if x["concurrency"] == r["concurrency"] and x["system"].startswith("tokenloom"))
+        r["tokenloom_ratio"] = ratio(mine["output_tok_s"], r["output_tok_s"])
+    return {"threads": threads, "concurrency": levels,
+            "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
+                         "output_len": args.output_len, "seed": args.workload_seed},
             "results": rows, "skipped": skipped}
 
 
 def format_peers(report: dict) -> str:
-    lines = [f"{report['workload']['num_requests']} requests, prompts {report['workload']['prompt_len']}, outputs "
-             f"{report['workload']['output_len']} tokens (EOS ignored), {report['threads']} threads",
-             f"{'system':<44} {'out tok/s':>9} {'total tok/s':>11} {'tokenloom is':>13}  note"]
-    for r in report["results"]:
-        lines.append(f"{r['system']:<44} {r['output_tok_s']:>9.1f} {r['total_tok_s']:>11.1f} "
-                     f"{r['tokenloom_ratio']:>12.2f}x  {r['note']}")
-    for s in report["skipped"]:
-        lines.append(f"skipped: {s}")
+    """Output tok/s per system (rows) and concurrency (columns), tokenloom's ratio beside each."""
+    levels = report["concurrency"]
+    systems = list(dict.fromkeys(r["system"] for r in report["results"]))
+    w = report["workload"]
+    lines = [f"{w['num_requests']} requests, prompts {w['prompt_len']}, outputs {w['output_len']} tokens "
+             f"(EOS ignored), {report['threads']} threads; output tok/s (tokenloom is Nx that)", "",
+             "| system | " + " | ".join(f"concurrency {c}" for c in levels) + " | note |",
+             "| --- | " + " | ".join("---" for _ in levels) + " | --- |"]
+    for name in systems:
+        cells, note = [], ""
+        for c in levels:
+            r = next((x for x in report["results"] if x["system"] == name and x["concurrency"] == c), None)
+            if r is None:
+                cells.append("-")
+                continue
+            note = r["note"]
+            cells.append(f"{r['output_tok_s']:.1f}" + ("" if name.startswith("tokenloom")
+                                                        else f" ({r['tokenloom_ratio']:.2f}x)"))
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {note} |")
+    lines += [f"skipped: {s}" for s in report["skipped"]]
     return "\n".join(lines)

@@ -52,19 +52,21 @@ def plot_offline(report: dict, path: str) -> dict[str, list[str]]:
 
 
 def plot_peers(report: dict, path: str) -> list[str]:
-    """Output tokens/s per system, tokenloom's ratio to each written on its bar."""
+    """Output tokens/s against concurrency, one line per system."""
     plt = _pyplot()
-    rows = report["results"]
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    names = [r["system"] for r in rows]
-    vals = [r["output_tok_s"] for r in rows]
-    bars = ax.bar(names, vals, color=["#3b7dd8" if n.startswith("tokenloom") else "#b0b0b0" for n in names])
-    for bar, r in zip(bars, rows, strict=True):
-        ax.annotate(f"{r['output_tok_s']:.0f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom")
+    names = list(dict.fromkeys(r["system"] for r in report["results"]))
+    for name in names:
+        pts = sorted((r["concurrency"], r["output_tok_s"]) for r in report["results"] if r["system"] == name)
+        ours = name.startswith("tokenloom")
+        ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", linewidth=2.5 if ours else 1.5,
+                color="#3b7dd8" if ours else None, label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(report["concurrency"], [str(c) for c in report["concurrency"]])
+    ax.set_xlabel("concurrent streams")
     ax.set_ylabel("output tokens / s")
-    ax.set_title("Same workload, same threads: tokenloom vs peers")
-    plt.setp(ax.get_xticklabels(), rotation=15)
+    ax.set_title("Same workload, same threads: throughput vs concurrency")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
