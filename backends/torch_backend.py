@@ -355,8 +355,7 @@ class TorchBackend:
                     int8_regroup=self.int8_regroup)
 
     def silu_mul(self, gate, up):
-        if self.fused_decode is not None and gate.dim() == 2 and gate.stride(1) == 1 and up.stride(1) == 1:
-            return self.fused_decode.silu_mul(gate, up)
+        # (a C++ silu*up measured 2-6x slower than these two vectorised torch ops: not used)
         return F.silu(gate) * up
 
 

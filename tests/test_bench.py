@@ -121,7 +121,7 @@ def test_peers_runs_tokenloom_and_transformers_on_the_same_workload(tiny_model_d
     assert rows == [("tokenloom continuous+paged", 1), ("transformers generate", 1),
                     ("tokenloom continuous+paged", 4), ("transformers generate", 4)]
     ours, hf = report["results"][2], report["results"][3]
-    assert ours["tokenloom_ratio"] == 1.0 and "static batches of 4" in hf["note"] and "float32" in hf["note"]
+    assert ours["tokenloom_ratio"] == 1.0 and "static batches of N" in hf["note"] and "float32" in hf["note"]
     assert hf["tokenloom_ratio"] == pytest.approx(ours["output_tok_s"] / hf["output_tok_s"])  # same concurrency
     table = format_peers(report)
     assert "| system | concurrency 1 | concurrency 4 | note |" in table and "tokenloom is" in table

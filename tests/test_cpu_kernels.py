@@ -87,7 +87,7 @@ def test_decode_layer_attention_matches_rope_write_and_attend(ops, dtype, tol):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, width", [(1, 576), (7, 33), (40, 64)])
-def test_add_rms_norm_and_silu_mul_match_torch(ops, dtype, rows, width):
+def test_add_rms_norm_matches_torch(ops, dtype, rows, width):
     torch.manual_seed(4)
     h = torch.randn(rows, width) * 30
     pair = torch.randn(rows, 2 * width).to(dtype)
@@ -106,9 +106,6 @@ def test_add_rms_norm_and_silu_mul_match_torch(ops, dtype, rows, width):
     assert torch.allclose(no_delta.float(), plain.add_rms_norm(h, None, weight, 1e-5, dtype)[0].float(),
                           rtol=ulp, atol=ulp)
 
-    gate, up = pair.chunk(2, dim=-1)
-    got, want = fused.silu_mul(gate, up), plain.silu_mul(gate, up)
-    assert got.dtype == dtype and torch.allclose(got.float(), want.float(), rtol=ulp, atol=ulp)
 
 
 def test_the_fused_path_steps_aside_where_it_does_not_apply(ops):

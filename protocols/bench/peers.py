@@ -143,7 +143,7 @@ def run_llama_server(binary: str, model_path: Path, workload, threads: int, para
         proc.wait(timeout=30)
     short = sum(p < r.max_tokens for p, r in zip(produced, workload, strict=True))
     return _row("llama.cpp (llama-server)", workload, elapsed,
-                f"--parallel {parallel}, flash-attn, per-slot KV" + (f"; {short} requests short" if short else ""))
+                "--parallel N, flash-attn, per-slot KV" + (f"; {short} requests short at {parallel}" if short else ""))
 
 
 def run_transformers(model_path: Path, workload, batch_size: int, dtype: str = "float32",
@@ -176,7 +176,7 @@ def run_transformers(model_path: Path, workload, batch_size: int, dtype: str = "
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                            do_sample=False, pad_token_id=pad)
     elapsed = time.perf_counter() - t0
-    return _row("transformers generate", workload, elapsed, f"{dtype}, static batches of {batch_size}, left padding")
+    return _row("transformers generate", workload, elapsed, f"{dtype}, static batches of N, left padding")
 
 
 def run_peers(args, flags: dict, pm: PluginManager) -> dict:
