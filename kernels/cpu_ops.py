@@ -69,28 +69,53 @@ static inline float vec_exp(float x) {
 
 // The G query heads of one KV head (qf [G, D], already scaled) against the first L tokens of
 // one sequence, read block by block where they lie (caches [KVH, NB, BS, D]); acc [G, D] gets
-// the softmax-weighted values. float32 throughout; scores is scratch of G * L.
+// the softmax-weighted values. float32 throughout; scores is scratch of G * L, kf of BS * D.
+// Each block's rows are converted once; four keys are scored per pass over d, so the
+// reductions' latency overlaps instead of serialising.
 template <typename T>
 static void attend(const float* qf, const T* kp, const T* vp, int64_t g, int64_t NB, int64_t BS, int64_t D,
                    const int64_t* table, int64_t L, int64_t G, std::vector<float>& scores, float* kf, float* acc) {
-  scores.assign(G * L, 0.f);
-  for (int64_t j = 0, t = 0; t < L; ++j) {  // t = j * BS + o: no division per token
-    const T* kblock = kp + (g * NB + table[j]) * BS * D;
-    for (int64_t o = 0; o < BS && t < L; ++o, ++t) {
-      row_to_float(kblock + o * D, kf, D);
-      for (int64_t h = 0; h < G; ++h) {
-        const float* __restrict__ qh = qf + h * D;
+  scores.resize(G * L);
+  for (int64_t j = 0, t0 = 0; t0 < L; ++j, t0 += BS) {
+    const int64_t n = L - t0 < BS ? L - t0 : BS;
+    row_to_float(kp + (g * NB + table[j]) * BS * D, kf, n * D);
+    for (int64_t h = 0; h < G; ++h) {
+      const float* __restrict__ qh = qf + h * D;
+      float* sh = scores.data() + h * L + t0;
+      int64_t o = 0;
+      for (; o + 4 <= n; o += 4) {
+        const float* __restrict__ k0 = kf + o * D;
+        const float* __restrict__ k1 = k0 + D;
+        const float* __restrict__ k2 = k1 + D;
+        const float* __restrict__ k3 = k2 + D;
+        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+        for (int64_t d = 0; d < D; ++d) {
+          const float qd = qh[d];
+          s0 += qd * k0[d];
+          s1 += qd * k1[d];
+          s2 += qd * k2[d];
+          s3 += qd * k3[d];
+        }
+        sh[o] = s0;
+        sh[o + 1] = s1;
+        sh[o + 2] = s2;
+        sh[o + 3] = s3;
+      }
+      for (; o < n; ++o) {
+        const float* __restrict__ kr = kf + o * D;
         float s = 0.f;
 #pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < D; ++d) s += qh[d] * kf[d];
-        scores[h * L + t] = s;
+        for (int64_t d = 0; d < D; ++d) s += qh[d] * kr[d];
+        sh[o] = s;
       }
     }
   }
   for (int64_t h = 0; h < G; ++h) {
     float* sh = scores.data() + h * L;
     float m = -INFINITY;
-    for (int64_t t = 0; t < L; ++t) m = std::max(m, sh[t]);
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 0; t < L; ++t) m = sh[t] > m ? sh[t] : m;
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < L; ++t) { sh[t] = vec_exp(sh[t] - m); sum += sh[t]; }
@@ -99,15 +124,17 @@ static void attend(const float* qf, const T* kp, const T* vp, int64_t g, int64_t
     for (int64_t t = 0; t < L; ++t) sh[t] *= inv;
   }
   std::fill(acc, acc + G * D, 0.f);
-  for (int64_t j = 0, t = 0; t < L; ++j) {
-    const T* vblock = vp + (g * NB + table[j]) * BS * D;
-    for (int64_t o = 0; o < BS && t < L; ++o, ++t) {
-      row_to_float(vblock + o * D, kf, D);
-      for (int64_t h = 0; h < G; ++h) {
-        const float p = scores[h * L + t];
-        float* __restrict__ ah = acc + h * D;
+  for (int64_t j = 0, t0 = 0; t0 < L; ++j, t0 += BS) {
+    const int64_t n = L - t0 < BS ? L - t0 : BS;
+    row_to_float(vp + (g * NB + table[j]) * BS * D, kf, n * D);
+    for (int64_t h = 0; h < G; ++h) {
+      const float* ph = scores.data() + h * L + t0;
+      float* __restrict__ ah = acc + h * D;
+      for (int64_t o = 0; o < n; ++o) {
+        const float p = ph[o];
+        const float* __restrict__ vr = kf + o * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ah[d] += p * kf[d];
+        for (int64_t d = 0; d < D; ++d) ah[d] += p * vr[d];
       }
     }
   }
@@ -149,7 +176,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
     const scalar_t* vp = v_cache.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, B * KVH, grain_for(lens, B, KVH, D), [&](int64_t begin, int64_t end) {
-      std::vector<float> qf(G * D), acc(G * D), scores, kf(D);
+      std::vector<float> qf(G * D), acc(G * D), scores, kf(BS * D);
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / KVH, g = i % KVH;
         row_to_float(qp + (b * H + g * G) * D, qf.data(), G * D);
@@ -212,7 +239,7 @@ at::Tensor decode_layer_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin
     // 2. attention per (row, KV head)
     at::parallel_for(0, B * KVH, grain_for(lens, B, KVH, D), [&](int64_t begin, int64_t end) {
       std::vector<scalar_t> qr(G * D);
-      std::vector<float> qf(G * D), acc(G * D), scores, kf(D);
+      std::vector<float> qf(G * D), acc(G * D), scores, kf(BS * D);
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / KVH, g = i % KVH;
         for (int64_t h = 0; h < G; ++h)
