@@ -56,11 +56,12 @@ def plot_peers(report: dict, path: str) -> list[str]:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     names = list(dict.fromkeys(r["system"] for r in report["results"]))
+    peer_colours = iter(["#e07b39", "#5a9a3a", "#9b59b6", "#888888", "#c0392b"])
     for name in names:
         pts = sorted((r["concurrency"], r["output_tok_s"]) for r in report["results"] if r["system"] == name)
         ours = name.startswith("tokenloom")
         ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", linewidth=2.5 if ours else 1.5,
-                color="#3b7dd8" if ours else None, label=name)
+                color="#3b7dd8" if ours else next(peer_colours, None), label=name)
     ax.set_xscale("log", base=2)
     ax.set_xticks(report["concurrency"], [str(c) for c in report["concurrency"]])
     ax.set_xlabel("concurrent streams")
