@@ -53,9 +53,9 @@ class TorchAttnMeta:
     decode_rows: torch.Tensor | None  # [B] rows of q that decode one token
     decode_blocks: torch.Tensor | None  # [B * max_blocks] block ids, padded with block 0
     decode_bias: torch.Tensor | None  # [B, 1, max_blocks * block_size] 0 where valid, -inf past the context
-    prefills: list
+    prefills: list  # (q_start, q_end, blocks [n] or None, context_len, mask [q, ctx] or None)
     decode_tables: torch.Tensor | None = None  # [B, max_blocks] (the fused op's block tables)
-    decode_lens: torch.Tensor | None = None  # [B] context lengths (the fused op's)  # (q_start, q_end, blocks [n] or None, context_len, mask [q, ctx] or None)
+    decode_lens: torch.Tensor | None = None  # [B] context lengths (the fused op's)
 
 
 KV_STORAGE = {"fp8": (torch.float8_e4m3fn, 448.0), "int8": (torch.int8, 127.0)}  # dtype, qmax
@@ -195,24 +195,17 @@ class TorchBackend:
     # ---- per-step metadata ------------------------------------------------------
     def prepare(self, inp: AttentionInputs) -> TorchAttnMeta:
         dev, bs = self.device, inp.block_size
-        decode_rows = decode_blocks = decode_bias = None
-        decode_tables = decode_lens = None
-        if inp.decode_rows and self.fused_decode is not None:  # block tables as they are, no bias
+        decode_rows = decode_blocks = decode_bias = decode_tables = decode_lens = None
+        if inp.decode_rows:
             max_blocks = (max(inp.decode_context_lens) + bs - 1) // bs
             table = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in inp.decode_block_tables]
             decode_tables = torch.tensor(table, dtype=torch.long, device=dev)
             decode_lens = torch.tensor(inp.decode_context_lens, dtype=torch.long, device=dev)
             decode_rows = torch.tensor(inp.decode_rows, dtype=torch.long, device=dev)
-        elif inp.decode_rows:
-            max_blocks = (max(inp.decode_context_lens) + bs - 1) // bs
-            table = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in inp.decode_block_tables]
-            decode_blocks = torch.tensor(table, dtype=torch.long, device=dev).view(-1)
-            lens = torch.tensor(inp.decode_context_lens, device=dev)
-            valid = torch.arange(max_blocks * bs, device=dev)[None, :] < lens[:, None]
-            decode_bias = torch.zeros(valid.shape, dtype=torch.float32, device=dev)
-            decode_bias.masked_fill_(~valid, float("-inf"))
-            decode_bias = decode_bias[:, None, :]
-            decode_rows = torch.tensor(inp.decode_rows, dtype=torch.long, device=dev)
+            if self.fused_decode is None:  # the torch path: flat padded blocks and a -inf bias
+                meta = _padded_decode(TorchAttnMeta(inp.slot_mapping, decode_rows, None, None, [], decode_tables,
+                                                    decode_lens), bs)
+                decode_blocks, decode_bias, decode_tables, decode_lens = meta.decode_blocks, meta.decode_bias, None, None
         prefills = []
         for span in inp.prefills:
             if span.q_len == span.context_len and span.tree_parents is None:  # nothing cached: the new K/V directly

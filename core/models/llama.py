@@ -94,9 +94,7 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         """input_ids, positions: [T]; returns the final hidden states [T, hidden] (float32)."""
-        h, delta = self.embed[input_ids].float(), None
-        if h.data_ptr() == self.embed.data_ptr():  # (never: indexing copies) the stream must be ours
-            h = h.clone()
+        h, delta = self.embed[input_ids].float(), None  # indexing copies: the stream is ours to update
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             h, delta = layer(h, delta, cos, sin, k_cache, v_cache, meta, self.backend)
