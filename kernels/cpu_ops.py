@@ -18,7 +18,9 @@ cannot be built; the backend then keeps the torch path. Reference and test:
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
+import shutil
 import threading
 
 import structlog
@@ -320,6 +322,18 @@ def _machine_tag() -> str:
     return hashlib.sha1(key).hexdigest()[:10]
 
 
+def _put_ninja_on_path() -> None:
+    """torch looks for ``ninja`` on PATH; the pip package (a dependency) puts its binary in
+    its own folder, which a venv's PATH may lack (``make test`` runs .venv/bin/python)."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 def load():
     """The compiled module (``paged_decode_attention``, ``decode_layer_attention``,
     ``add_rms_norm``), or None (the reason logged once) where it cannot be built."""
@@ -328,6 +342,8 @@ def load():
             _state["op"], _state["error"] = None, None
             try:
                 from torch.utils.cpp_extension import load_inline
+
+                _put_ninja_on_path()
 
                 module = load_inline(name=f"tokenloom_cpu_ops_{_machine_tag()}", cpp_sources=[_SOURCE],
                                      functions=["paged_decode_attention", "decode_layer_attention", "add_rms_norm"], verbose=False,
