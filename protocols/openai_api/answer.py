@@ -7,15 +7,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from tokenloom.core.outputs import Finished
 from tokenloom.protocols.openai_api import schema
 from tokenloom.protocols.openai_api.rules import HTTPError
-
-_encode = msgspec.json.Encoder().encode
 
 
 class Answer:
@@ -71,7 +68,7 @@ class Answer:
                             code="engine_error")
         choice = self._choice(final.text, self._logprobs(entries, final.text, 0),
                               schema.finish_reason(final.finish_reason), stream=False)
-        return _json(self._envelope([choice], stream=False, usage=schema.usage_body(final.usage)))
+        return schema.json_response(self._envelope([choice], stream=False, usage=schema.usage_body(final.usage)))
 
     def events_response(self, include_usage: bool, send_timeout_s: float) -> Response:
         return _EventStream(self._events(include_usage), self.close, send_timeout_s)
@@ -175,9 +172,5 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _json(body: dict, status: int = 200) -> Response:
-    return Response(_encode(body), status, media_type="application/json")
-
-
 def _sse(body: dict) -> bytes:
-    return b"data: " + _encode(body) + b"\n\n"
+    return b"data: " + schema.encode(body) + b"\n\n"

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import math
 
-import msgspec
 import structlog
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
@@ -16,7 +15,6 @@ from tokenloom.protocols.gateway import Refusal
 from tokenloom.protocols.openai_api import schema
 
 log = structlog.get_logger("tokenloom.openai")
-_encode = msgspec.json.Encoder().encode
 
 
 class HTTPError(Exception):
@@ -32,7 +30,7 @@ class HTTPError(Exception):
         if self.retry_after_ms is not None:
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_ms / 1000)))
         body = schema.error_body(str(self), kind=self.kind, param=self.param, code=self.code)
-        return Response(_encode(body), self.status, headers, media_type="application/json")
+        return schema.json_response(body, self.status, headers)
 
 
 def client_error(exc: ClientError, req=None) -> HTTPError:

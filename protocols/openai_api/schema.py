@@ -177,6 +177,15 @@ def sampling_params(req: _Sampling, num_logprobs: int | None) -> tuple[SamplingP
 
 
 # ---- responses -------------------------------------------------------------------------
+encode = msgspec.json.Encoder().encode
+
+
+def json_response(body: dict, status: int = 200, headers: dict | None = None):
+    from starlette.responses import Response
+
+    return Response(encode(body), status, headers, media_type="application/json")
+
+
 def error_body(message: str, *, kind: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
     """OpenAI's error shape; ``kind`` is its ``type`` (invalid_request_error, server_error, ...)."""

@@ -20,7 +20,6 @@ import socket
 import uuid
 from collections import OrderedDict
 
-import msgspec
 import structlog
 import uvicorn
 from starlette.applications import Starlette
@@ -36,7 +35,6 @@ from tokenloom.protocols.openai_api.rules import HTTPError, Rules, client_error,
 from tokenloom.protocols.ratelimit import RateLimiter
 
 log = structlog.get_logger("tokenloom.openai")
-_encode = msgspec.json.Encoder().encode
 MAX_CLIENTS_TRACKED = 4096  # rate-limit buckets kept, least recently seen dropped first
 
 
@@ -122,17 +120,17 @@ class OpenAIFrontend:
                 "max_model_len": self.engine.max_model_len}
 
     async def list_models(self, request: Request) -> Response:
-        return _json({"object": "list", "data": [self._model_card()]})
+        return schema.json_response({"object": "list", "data": [self._model_card()]})
 
     async def get_model(self, request: Request) -> Response:
         model_id = request.path_params["model_id"]
         if model_id not in self.aliases:
             raise HTTPError(404, f"The model `{model_id}` does not exist", param="model", code="model_not_found")
-        return _json(self._model_card())
+        return schema.json_response(self._model_card())
 
     async def health(self, request: Request) -> Response:
         status = "draining" if self.gateway.draining else self.engine.health_report().status
-        return _json({"status": status}, 200 if status == "ok" else 503)
+        return schema.json_response({"status": status}, 200 if status == "ok" else 503)
 
     async def chat_completions(self, request: Request) -> Response:
         req = schema.decode_request(await self._body(request), schema.ChatCompletionRequest)
@@ -209,7 +207,3 @@ class OpenAIFrontend:
     async def _not_allowed(self, request: Request, exc) -> Response:
         return HTTPError(405, f"{request.method} is not allowed on {request.url.path}",
                          code="method_not_allowed").response()
-
-
-def _json(body: dict, status: int = 200) -> Response:
-    return Response(_encode(body), status, media_type="application/json")
