@@ -66,7 +66,7 @@ class PackedLinear:
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         if self.onednn is None or (self.wt is not None and x2.shape[0] <= self.max_rows):
-            out = torch.mm(x2, self.wt)
+            out = self.by_mkl(x2)
         else:
             out = self.by_onednn(x2)
         return out.view(*x.shape[:-1], self.out_features)

@@ -146,6 +146,13 @@ class Gateway:
     def release(self) -> None:
         self.num_admitting -= 1
 
+    async def wait_drained(self, deadline_s: float) -> None:
+        """Wait, at most ``deadline_s``, until nothing runs and nothing is being admitted."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + deadline_s
+        while (self.engine.num_unfinished or self.num_admitting) and loop.time() < end:
+            await asyncio.sleep(0.05)
+
     def take_request(self, limiter: RateLimiter) -> None:
         """Charge one request to ``limiter``; raises RateLimited."""
         if wait := limiter.take_request():
@@ -223,10 +230,7 @@ class FrontendHost:
         self.gateway.draining = True
         for f in self.frontends:
             f.stop_accepting()
-        loop = asyncio.get_running_loop()
-        end = loop.time() + deadline_s
-        while (self.engine.num_unfinished or self.gateway.num_admitting) and loop.time() < end:
-            await asyncio.sleep(0.05)
+        await self.gateway.wait_drained(deadline_s)
         for f in self.frontends:
             try:
                 await f.close()

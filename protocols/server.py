@@ -17,7 +17,6 @@ and closes every connection with 1001.
 
 from __future__ import annotations
 
-import asyncio
 import http
 import itertools
 import json
@@ -181,10 +180,7 @@ class TokenServer:
         :class:`tokenloom.protocols.gateway.FrontendHost`, which does this for every frontend.)"""
         deadline_s = self.options.shutdown_deadline_s if deadline_s is None else deadline_s
         self.stop_accepting()
-        loop = asyncio.get_running_loop()
-        end = loop.time() + deadline_s
-        while self.engine.num_unfinished and loop.time() < end:
-            await asyncio.sleep(0.05)
+        await self.gateway.wait_drained(deadline_s)
         await self.close()
         log.info("server_stopped")
 
