@@ -14,9 +14,11 @@ def add_train_medusa_parser(sub) -> None:
 
     t = sub.add_parser("train-medusa", help="train Medusa heads on text the model generates (self-distillation)")
     t.add_argument("--num-heads", type=int, default=4)
-    t.add_argument("--prompts", type=int, default=320, help="conversations the model answers for training data")
-    t.add_argument("--max-tokens", type=int, default=128, help="tokens per answer")
-    t.add_argument("--epochs", type=int, default=3)
+    t.add_argument("--prompts", type=int, default=1200, help="conversations the model answers for training data")
+    t.add_argument("--grounded-share", type=float, default=0.25,
+                   help="share of prompts asking about a documentation passage; the rest the model writes itself")
+    t.add_argument("--max-tokens", type=int, default=160, help="tokens per answer")
+    t.add_argument("--epochs", type=int, default=2)
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--batch-size", type=int, default=256)
     t.add_argument("--out", help="safetensors file (default: where the medusa decoder looks for this model's heads)")
@@ -30,7 +32,7 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
     from tokenloom import LLM
     from tokenloom.core.sampling_params import SamplingParams
     from tokenloom.core.weights import dense_tensor
-    from tokenloom.plugins.decoders.medusa import default_heads_path
+    from tokenloom.plugins.decoders.medusa import best_tree, default_heads_path, expected_accepted
     from tokenloom.plugins.decoders.medusa_train import (
         collect_features,
         distillation_prompts,
@@ -42,11 +44,15 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
     if not 1 <= args.num_heads <= 16:
         print("error: --num-heads must be in 1..16", file=sys.stderr)
         return 2
+    if not 0.0 <= args.grounded_share <= 1.0:
+        print("error: --grounded-share must be in [0, 1]", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     llm = LLM(config_file=args.config, flags=flags_layer(args), progress=_progress_bar("loading model"))
     try:
         engine = llm.engine
-        conversations = distillation_prompts(args.prompts)
+        conversations = distillation_prompts(args.prompts, llm, grounded_share=args.grounded_share)
+        print(f"{len(conversations)} prompts ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
         outs = llm.generate(messages=conversations, params=SamplingParams(temperature=0, max_tokens=args.max_tokens))
         prompt_ids = [engine.prompt_ids(messages=m) for m in conversations]
         ids = [p + o.token_ids for p, o in zip(prompt_ids, outs, strict=True)]
@@ -58,16 +64,23 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
         model = engine.runner.model
         head = dense_tensor(_head_weight(engine)).float()
         name = engine.model_name
+        compute_dtype = model.dtype if model.dtype in (torch.float32, torch.bfloat16) else torch.float32
     finally:
         llm.close()
     torch.manual_seed(0)
     heads, report = train_heads(feats, head, args.num_heads, epochs=args.epochs, lr=args.lr,
-                                batch_size=args.batch_size, progress=_progress_bar("training heads"))
+                                batch_size=args.batch_size, compute_dtype=compute_dtype,
+                                progress=_progress_bar("training heads"))
     out = args.out or str(default_heads_path(name))
-    report.update(model=name, prompts=args.prompts, max_tokens=args.max_tokens, seconds=time.perf_counter() - t0)
+    report.update(model=name, prompts=len(conversations), grounded_share=args.grounded_share,
+                  max_tokens=args.max_tokens, seconds=time.perf_counter() - t0)
+    acc = report["heldout_rank_accuracy"]
+    report["expected_tokens_per_step"] = {n: round(1 + expected_accepted(acc, best_tree(acc, n)), 3)
+                                          for n in (1, 2, 4, 8, 16, 32)}
     heads.save(out, name, report)
+    shown = {k: v for k, v in report.items() if k != "heldout_rank_accuracy"}
     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else
-                          [round(a, 3) for a in v] if isinstance(v, list) else v) for k, v in report.items()}, indent=1))
+                          [round(a, 3) for a in v] if isinstance(v, list) else v) for k, v in shown.items()}, indent=1))
     print(f"wrote {out} ({args.num_heads} heads for {name}, hidden size {model.cfg.hidden_size}); use them with "
           f"--decoder medusa or params decoder=\"medusa\"", file=sys.stderr)
     return 0

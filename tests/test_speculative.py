@@ -287,6 +287,63 @@ def test_training_medusa_heads_lowers_their_loss(make_llm, tiny_model_dir, tmp_p
     torch.testing.assert_close(loaded.weight, heads.weight.detach())
 
 
+def test_best_tree_is_the_best_closed_tree_of_its_size():
+    """Against brute force over every ancestor-closed set of paths of the same size."""
+    from itertools import combinations, product
+
+    from tokenloom.plugins.decoders.medusa import best_tree, expected_accepted
+
+    acc = [[0.5, 0.2, 0.1], [0.4, 0.15, 0.05], [0.3, 0.1, 0.02]]
+    paths = [p for d in (1, 2, 3) for p in product(range(3), repeat=d)]
+    for n in (1, 3, 5, 7):
+        tree = best_tree(acc, n)
+        assert len(tree) == n and all(p[:-1] in tree for p in tree if len(p) > 1)  # closed under ancestors
+        best = max(expected_accepted(acc, list(c)) for c in combinations(paths, n)
+                   if all(p[:-1] in c for p in c if len(p) > 1))
+        assert expected_accepted(acc, tree) == pytest.approx(best)
+    # a head that is never right adds no depth; a second head that is always right doubles the root's worth
+    assert all(len(p) == 1 for p in best_tree([[0.6, 0.3], [0.0, 0.0]], 2))
+    assert expected_accepted([[0.6, 0.3], [1.0, 0.0]], best_tree([[0.6, 0.3], [1.0, 0.0]], 2)) == pytest.approx(1.2)
+
+
+def test_medusa_builds_its_tree_from_the_accuracies_saved_with_the_heads(make_llm, tmp_path):
+    from tokenloom.plugins.decoders.medusa import DEFAULT_TREE, MedusaHeads, best_tree
+
+    acc = [[0.5, 0.3, 0.1], [0.2, 0.1, 0.05], [0.1, 0.05, 0.0]]
+    path = tmp_path / "heads.safetensors"
+    MedusaHeads(3, 64).save(path, "tiny", {"heldout_rank_accuracy": acc})
+    llm = make_llm(decoder={"name": "medusa", "heads": str(path), "tree_nodes": 5})
+    assert llm.engine.decoder.paths == sorted(best_tree(acc, 5), key=lambda q: (len(q), q))
+    assert llm.engine.decoder.paths != [q for q in DEFAULT_TREE if len(q) <= 3][:5]
+    got = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert got.metrics.num_draft_tokens > 0  # the tree drafts (zero heads repeat the base guess)
+    with pytest.raises(Exception, match="tree_nodes"):
+        make_llm(decoder={"name": "medusa", "heads": str(path), "tree_nodes": 0})
+
+
+def test_the_model_writes_its_own_training_prompts(make_llm):
+    """Magpie: the chat template up to a user message's text, sampled, gives user messages
+    (the tiny model's are random tokens, but they end and they differ)."""
+    from tokenloom.plugins.decoders.medusa_train import (
+        PROMPT_TEMPLATES,
+        distillation_prompts,
+        self_written_prompts,
+        user_turn_prefix,
+    )
+
+    llm = make_llm()
+    prefix = user_turn_prefix(llm.tokenizer)
+    rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": "XYZ"}], add_generation_prompt=False)
+    assert llm.tokenizer.decode(prefix, skip_special_tokens=False) + "XYZ" in rendered
+    prompts = self_written_prompts(llm, 6, max_tokens=24)
+    assert len(prompts) == len(set(prompts)) and all(prompts)
+    convs = distillation_prompts(8, llm, grounded_share=0.5)
+    heads = tuple(t.split("{")[0] for t in PROMPT_TEMPLATES)
+    assert len(convs) == 8 and sum(c[0]["content"].startswith(heads) for c in convs) == 4
+    with pytest.raises(ValueError, match="grounded_share"):
+        distillation_prompts(4, llm, grounded_share=1.5)
+
+
 def test_train_medusa_command_writes_heads_the_decoder_loads(tiny_model_dir, tmp_path):
     from tokenloom import LLM
     from tokenloom.protocols.cli import main

@@ -10,7 +10,9 @@ model's own (frozen) output head. ``W_i`` and ``b_i`` start at zero, so an untra
 repeats the base model's guess; `tokenloom train-medusa` trains them by self-distillation.
 
 Candidates form a tree (``tree``: paths of per-head top-k ranks, Medusa's "sparse tree";
-``tree = []`` proposes a chain of each head's best): a node's token is head ``d-1``'s
+``tree = []`` proposes a chain of each head's best; by default the ``tree_nodes`` nodes
+:func:`best_tree` picks from the held-out accuracies `train-medusa` stores with the heads):
+a node's token is head ``d-1``'s
 choice at the node's depth ``d``, and siblings differ. The target scores every node in one
 forward, each node seeing only its own ancestors (``Batch.draft_parents``), and
 ``accept_tree`` keeps the longest branch that rejection sampling accepts, so the output
@@ -53,6 +55,7 @@ class MedusaHeads(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))
         self.bias = torch.nn.Parameter(torch.zeros(num_heads, hidden_size))
+        self.meta: dict = {}  # what train-medusa reported (held-out accuracies, ...)
 
     @property
     def num_heads(self) -> int:
@@ -87,6 +90,10 @@ class MedusaHeads(torch.nn.Module):
                 raise ConfigError(f"{path}: Medusa heads for hidden size {meta.get('hidden_size')} "
                                   f"({n} heads); this model's is {hidden_size}")
             heads = cls(n, hidden_size)
+            try:
+                heads.meta = json.loads(meta.get("tokenloom", "{}")) or {}
+            except ValueError:
+                heads.meta = {}
             with torch.no_grad():
                 for i in range(n):
                     heads.weight[i].copy_(f.get_tensor(f"medusa.{i}.weight"))
@@ -99,15 +106,52 @@ def normalise(model, h: torch.Tensor) -> torch.Tensor:
     return model.backend.rms_norm(h, model.norm, model.cfg.rms_norm_eps).float()
 
 
-#: the default candidate tree: each path lists, per depth, which of that head's top tokens to
-#: take (0 = best); nodes share their ancestors (Medusa's "sparse tree", sized for a CPU)
+#: the candidate tree for heads that carry no held-out accuracies: each path lists, per
+#: depth, which of that head's top tokens to take (0 = best); nodes share their ancestors
 DEFAULT_TREE = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0))
+
+
+def best_tree(rank_accuracy: list[list[float]], num_nodes: int) -> list[tuple[int, ...]]:
+    """The ``num_nodes`` paths that maximise the expected number of accepted drafts
+    (Medusa, section 3.1.2 / appendix: the tree from measured accuracies).
+
+    ``rank_accuracy[i][r]`` is how often head ``i``'s ``r``-th best guess was the right
+    token on held-out text. Taking the heads as independent, the path ``(r0, r1, ...)``
+    is accepted with probability ``prod_i rank_accuracy[i][r_i]``, and a tree accepts in
+    expectation the sum of its nodes' probabilities. A node's probability never exceeds
+    its parent's, so taking the best nodes one at a time from the frontier gives a tree
+    closed under ancestors, and the best one of its size."""
+    import heapq
+
+    depth, ranks = len(rank_accuracy), len(rank_accuracy[0]) if rank_accuracy else 0
+    frontier = [(-rank_accuracy[0][r], (r,)) for r in range(ranks)] if depth else []
+    heapq.heapify(frontier)
+    chosen: list[tuple[int, ...]] = []
+    while frontier and len(chosen) < num_nodes:
+        neg, path = heapq.heappop(frontier)
+        chosen.append(path)
+        if len(path) < depth:
+            for r in range(ranks):
+                heapq.heappush(frontier, (neg * rank_accuracy[len(path)][r], path + (r,)))
+    return chosen
+
+
+def expected_accepted(rank_accuracy: list[list[float]], paths: list[tuple[int, ...]]) -> float:
+    """Drafts a tree of ``paths`` is expected to get accepted per step (independent heads)."""
+    total = 0.0
+    for p in paths:
+        v = 1.0
+        for i, r in enumerate(p):
+            v *= rank_accuracy[i][r]
+        total += v
+    return total
 
 
 class MedusaOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     heads: str | None = None  # safetensors file; default: default_heads_path(model name)
     num_speculative_tokens: int | None = None  # deepest draft (default: every head)
-    tree: list[list[int]] | None = None  # None: DEFAULT_TREE cut to the heads; []: a chain
+    tree: list[list[int]] | None = None  # None: best_tree(tree_nodes) from the heads' file; []: a chain
+    tree_nodes: int = 8  # size of the tree built from held-out accuracies (tree = None)
     max_batch: int = 4
 
 
@@ -141,8 +185,15 @@ class MedusaDecoder(SharedStepDecoder):
         if not 0 <= k <= min(self.heads.num_heads, MAX_SPECULATIVE_TOKENS):
             raise ConfigError(f"decoder.num_speculative_tokens must be in 0..{self.heads.num_heads} (the heads), got {k}")
         self.default_k, self.max_batch = k, o.max_batch
-        paths = [tuple(p) for p in (o.tree if o.tree is not None else
-                                    [q for q in DEFAULT_TREE if len(q) <= self.heads.num_heads])]
+        if not 1 <= o.tree_nodes <= 64:
+            raise ConfigError(f"decoder.tree_nodes must be in 1..64, got {o.tree_nodes}")
+        rank_accuracy = self.heads.meta.get("heldout_rank_accuracy")
+        if o.tree is not None:
+            paths = [tuple(p) for p in o.tree]
+        elif rank_accuracy:
+            paths = best_tree(rank_accuracy[: self.heads.num_heads], o.tree_nodes)
+        else:
+            paths = [q for q in DEFAULT_TREE if len(q) <= self.heads.num_heads]
         if any(not p or min(p) < 0 for p in paths):
             raise ConfigError("decoder.tree: each path is a non-empty list of ranks >= 0")
         if paths and max(map(len, paths)) > self.heads.num_heads:

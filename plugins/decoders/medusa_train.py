@@ -1,18 +1,23 @@
 """Training Medusa heads by self-distillation (`tokenloom train-medusa`).
 
-1. **Data**: the model answers prompts, greedily, through the engine itself: half built
-   from the calibration part of CPython's ``pydoc_data.topics`` (the text quantizers
-   calibrate on; evaluation text stays unseen), half general chat from fixed templates
-   over a list of everyday subjects. Its own outputs are the labels, so the heads learn
-   what *this* model would say next (Medusa paper, section 3.3: self-distillation, with
-   hard labels here).
+1. **Prompts**: most are written by the model itself. An instruction-tuned model given
+   only its chat template up to where a user's message begins writes a user's message
+   (Xu et al. 2024, "Magpie: Alignment Data Synthesis from Scratch by Prompting Aligned
+   LLMs with Nothing", arXiv:2406.08464); sampled at temperature 1 these cover far more
+   ground than any fixed list, and they are the kind of question a chat user asks. The
+   rest (``grounded_share``) ask about passages from the calibration part of CPython's
+   ``pydoc_data.topics`` (the text quantizers calibrate on; evaluation text stays unseen),
+   so the heads also learn to copy. Answers are the model's own, greedy, through the
+   engine; they are the labels, so the heads learn what *this* model says next (Medusa
+   paper, section 3.3: self-distillation, hard labels here).
 2. **Features**: one prefill per answered conversation gives the final hidden state at
    every position; the heads read its RMSNorm (what the output head reads). Only
    positions inside the generated answer are used.
 3. **Training**: head ``i`` at position ``t`` is trained to predict token ``t + i + 2``
    (the base head predicts ``t + 1``), cross-entropy through the model's frozen output
    head, Adam, all heads at once. A tenth of the conversations is held out; the report
-   gives each head's top-1 accuracy there, which bounds the acceptance a chain can reach.
+   gives each head's top-k accuracy there (``heldout_topk``), from which the decoder
+   builds its candidate tree (:func:`tokenloom.plugins.decoders.medusa.best_tree`).
 """
 
 from __future__ import annotations
@@ -25,17 +30,6 @@ import torch
 
 from tokenloom.plugins.decoders.medusa import MedusaHeads, normalise
 
-#: general subjects for the chat half of the data (none of them is a `bench spec` prompt)
-SUBJECTS = ("photosynthesis", "the Roman Empire", "volcanoes", "recursion", "compound interest", "the water cycle",
-            "jazz music", "electric cars", "sleep", "gardening", "chess", "the moon", "bicycles", "coffee",
-            "rainforests", "vaccines", "the internet", "saving money", "baking bread", "public speaking",
-            "climate change", "the human heart", "learning a language", "earthquakes", "machine learning",
-            "the French Revolution", "healthy breakfasts", "time management", "black holes", "honey bees",
-            "job interviews", "solar panels", "the stock market", "friendship", "ancient Egypt", "running",
-            "databases", "music theory", "recycling", "the ocean")
-CHAT_TEMPLATES = ("Explain {s} to a beginner.", "List three facts about {s}.", "Write a short paragraph about {s}.",
-                  "What are the pros and cons of {s}?", "Give me some advice about {s}.", "Why is {s} important?",
-                  "Describe {s} in a few sentences.", "How would you teach a child about {s}?")
 PROMPT_TEMPLATES = (
     "Explain the following documentation in simple words:\n\n{text}",
     "Summarise this text:\n\n{text}",
@@ -44,24 +38,61 @@ PROMPT_TEMPLATES = (
 )
 
 
-def distillation_prompts(n: int, chars: int = 400, seed: int = 0) -> list[list[dict]]:
-    """``n`` chat conversations: pydoc calibration topics and general subjects, alternating."""
+def user_turn_prefix(tokenizer) -> list[int]:
+    """Token ids of the chat template up to where the first user message's text begins
+    (system prompt included): Magpie's "pre-query template"."""
+    sentinel = "\x00tokenloom-user-message\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": sentinel}], add_generation_prompt=False)
+    if sentinel not in text:
+        raise ValueError("the chat template does not render a user message's text as given")
+    return tokenizer.encode(text[: text.index(sentinel)])
+
+
+def self_written_prompts(llm, n: int, *, max_tokens: int = 96, seed: int = 0) -> list[str]:
+    """``n`` distinct user messages the model writes itself (temperature 1, top-p 0.95);
+    only messages it ended (its end-of-turn token, not the length limit) are kept."""
+    from tokenloom.core.sampling_params import SamplingParams
+
+    prefix = user_turn_prefix(llm.tokenizer)
+    out: list[str] = []
+    seen: set[str] = set()
+    attempt = 0
+    while len(out) < n and attempt < 4:
+        want = int((n - len(out)) * 1.5) + 4
+        params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=max_tokens, seed=seed + attempt * 1_000_003 + i)
+                  for i in range(want)]
+        for o in llm.generate([prefix] * want, params):
+            text = o.text.strip()
+            if o.finish_reason == "stop" and len(text) >= 12 and text not in seen:
+                seen.add(text)
+                out.append(text)
+        attempt += 1
+    return out[:n]
+
+
+def distillation_prompts(n: int, llm=None, *, grounded_share: float = 0.25, chars: int = 400,
+                         seed: int = 0) -> list[list[dict]]:
+    """``n`` single-turn conversations: ``grounded_share`` of them ask about a pydoc
+    calibration passage, the rest are user messages the model (``llm``) wrote itself.
+    Without ``llm`` every conversation is a passage question."""
     from tokenloom.core.evaluation import split_corpus
 
+    if not 0.0 <= grounded_share <= 1.0:
+        raise ValueError(f"grounded_share must be in [0, 1], got {grounded_share}")
+    n_grounded = n if llm is None else round(n * grounded_share)
     calibration, _ = split_corpus()
     texts = [t.strip()[:chars] for _, t in calibration if len(t.strip()) > 80]
     rng = random.Random(seed)
     rng.shuffle(texts)
-    chats = [t.format(s=subject) for subject in SUBJECTS for t in CHAT_TEMPLATES]
-    rng.shuffle(chats)
-    out = []
-    for i in range(n):  # alternate: documentation questions, general chat
-        if i % 2 == 0:
-            j = i // 2
-            out.append(PROMPT_TEMPLATES[j % len(PROMPT_TEMPLATES)].format(text=texts[j % len(texts)]))
-        else:
-            out.append(chats[(i // 2) % len(chats)])
-    return [[{"role": "user", "content": c}] for c in out]
+    grounded = [PROMPT_TEMPLATES[j % len(PROMPT_TEMPLATES)].format(text=texts[j % len(texts)]) for j in range(n_grounded)]
+    written = self_written_prompts(llm, n - n_grounded, seed=seed) if n > n_grounded else []
+    prompts = grounded + written
+    rng.shuffle(prompts)
+    return [[{"role": "user", "content": c}] for c in prompts]
+
+
+#: held-out accuracy is measured for each head's best TOPK_RANKS guesses (the tree's widest choice)
+TOPK_RANKS = 10
 
 
 @dataclass(slots=True)
@@ -104,10 +135,12 @@ def collect_features(llm, conversations: list[list[int]], prompt_lens: list[int]
 
 
 def train_heads(feats: Features, head_weight: torch.Tensor, num_heads: int, *, epochs: int = 2, lr: float = 1e-3,
-                batch_size: int = 256, holdout: float = 0.1, seed: int = 0,
+                batch_size: int = 256, holdout: float = 0.1, seed: int = 0, compute_dtype: torch.dtype = torch.float32,
                 progress: Callable[[int, int], None] | None = None) -> tuple[MedusaHeads, dict]:
     """Train ``num_heads`` heads on ``feats`` through the frozen ``head_weight [V, d]``;
-    returns the heads and a report (loss, held-out top-1 accuracy per head)."""
+    returns the heads and a report (loss, held-out accuracy per head and rank). The
+    output-head matmul, most of the work, runs in ``compute_dtype`` (the model's dtype:
+    bf16 where the CPU has it); the heads and the optimiser stay fp32."""
     g = torch.Generator().manual_seed(seed)
     n_groups = int(feats.group.max()) + 1
     held = set(torch.randperm(n_groups, generator=g)[: max(1, int(n_groups * holdout))].tolist())
@@ -116,12 +149,13 @@ def train_heads(feats: Features, head_weight: torch.Tensor, num_heads: int, *, e
     heads = MedusaHeads(num_heads, feats.x.shape[1])
     opt = torch.optim.Adam(heads.parameters(), lr=lr)
     W = head_weight.detach().float()
+    Wc = W.to(compute_dtype)
     steps = epochs * -(-len(train_idx) // batch_size)
     done, losses = 0, []
     for _ in range(epochs):
         order = train_idx[torch.randperm(len(train_idx), generator=g)]
         for b in order.split(batch_size):
-            logits = heads(feats.x[b]) @ W.T  # [H, B, V]
+            logits = (heads(feats.x[b]).to(compute_dtype) @ Wc.T).float()  # [H, B, V]
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, W.shape[0]), feats.labels[b].T.reshape(-1),
                                                      ignore_index=-100)
             opt.zero_grad()
@@ -132,21 +166,21 @@ def train_heads(feats: Features, head_weight: torch.Tensor, num_heads: int, *, e
             if progress is not None:
                 progress(done, steps)
     heads.eval()
-    acc = []
     with torch.no_grad():
-        correct = torch.zeros(num_heads)
+        ranks = torch.zeros(num_heads, TOPK_RANKS)  # [H, R]: label was the head's r-th best guess
         total = torch.zeros(num_heads)
         base = torch.zeros(num_heads)
         for b in test_idx.split(1024):
-            pred = (heads(feats.x[b]) @ W.T).argmax(-1)  # [H, B]
+            top = (heads(feats.x[b]) @ W.T).topk(TOPK_RANKS, dim=-1).indices  # [H, B, R]
             untrained = (feats.x[b] @ W.T).argmax(-1)  # what a zero head (the base guess) predicts
             lab = feats.labels[b].T
             valid = lab != -100
-            correct += ((pred == lab) & valid).sum(1).float()
+            ranks += ((top == lab[..., None]) & valid[..., None]).sum(1).float()
             base += ((untrained[None] == lab) & valid).sum(1).float()
             total += valid.sum(1).float()
-        acc = (correct / total.clamp_min(1)).tolist()
-        base_acc = (base / total.clamp_min(1)).tolist()
+        rank_acc = ranks / total.clamp_min(1)[:, None]
     return heads, {"train_positions": len(train_idx), "heldout_positions": len(test_idx), "steps": done,
                    "first_loss": losses[0] if losses else None, "last_loss": sum(losses[-10:]) / max(len(losses[-10:]), 1),
-                   "heldout_top1": acc, "heldout_top1_untrained": base_acc}
+                   "heldout_top1": rank_acc[:, 0].tolist(),
+                   "heldout_top1_untrained": (base / total.clamp_min(1)).tolist(),
+                   "heldout_rank_accuracy": [[round(float(v), 5) for v in row] for row in rank_acc]}
