@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from tokenloom.protocols.bench.cli import add_bench_parser
     from tokenloom.protocols.eval_cli import add_eval_parser
+    from tokenloom.protocols.plan_cli import add_plan_parser
     from tokenloom.protocols.quantize_cli import add_quantize_parser
     from tokenloom.protocols.serve_cli import add_serve_parsers
     from tokenloom.protocols.train_medusa_cli import add_train_medusa_parser
@@ -69,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(sub)
     add_quantize_parser(sub)
     add_train_medusa_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 
