@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 
 def add_train_medusa_parser(sub) -> None:
@@ -22,6 +23,10 @@ def add_train_medusa_parser(sub) -> None:
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--batch-size", type=int, default=256)
     t.add_argument("--out", help="safetensors file (default: where the medusa decoder looks for this model's heads)")
+    t.add_argument("--data", metavar="FILE.jsonl",
+                   help="the answered conversations: read from FILE when it exists (no generation), else written there")
+    t.add_argument("--token-input", action=argparse.BooleanOptionalAction, default=True,
+                   help="heads also read the token their hidden state produced (default); off: Medusa's plain heads")
     add_engine_args(t)
     t.set_defaults(func=cmd_train_medusa)
 
@@ -31,7 +36,6 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
 
     from tokenloom import LLM
     from tokenloom.core.sampling_params import SamplingParams
-    from tokenloom.core.weights import dense_tensor
     from tokenloom.plugins.decoders.medusa import best_tree, default_heads_path, expected_accepted
     from tokenloom.plugins.decoders.medusa_train import (
         collect_features,
@@ -51,28 +55,35 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
     llm = LLM(config_file=args.config, flags=flags_layer(args), progress=_progress_bar("loading model"))
     try:
         engine = llm.engine
-        conversations = distillation_prompts(args.prompts, llm, grounded_share=args.grounded_share)
-        print(f"{len(conversations)} prompts ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-        outs = llm.generate(messages=conversations, params=SamplingParams(temperature=0, max_tokens=args.max_tokens))
-        prompt_ids = [engine.prompt_ids(messages=m) for m in conversations]
-        ids = [p + o.token_ids for p, o in zip(prompt_ids, outs, strict=True)]
-        gen_s = time.perf_counter() - t0
-        print(f"generated {sum(len(o.token_ids) for o in outs)} tokens for {len(outs)} conversations "
-              f"in {gen_s:.0f} s", file=sys.stderr)
-        feats = collect_features(llm, ids, [len(p) for p in prompt_ids], args.num_heads,
-                                 progress=_progress_bar("hidden states"))
+        if args.data and Path(args.data).exists():
+            ids, prompt_lens = read_conversations(args.data)
+            print(f"read {len(ids)} answered conversations from {args.data}", file=sys.stderr)
+        else:
+            conversations = distillation_prompts(args.prompts, llm, grounded_share=args.grounded_share)
+            print(f"{len(conversations)} prompts ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+            outs = llm.generate(messages=conversations,
+                                params=SamplingParams(temperature=0, max_tokens=args.max_tokens))
+            prompt_ids = [engine.prompt_ids(messages=m) for m in conversations]
+            ids = [p + o.token_ids for p, o in zip(prompt_ids, outs, strict=True)]
+            prompt_lens = [len(p) for p in prompt_ids]
+            print(f"generated {sum(len(o.token_ids) for o in outs)} tokens for {len(outs)} conversations "
+                  f"in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            if args.data:
+                write_conversations(args.data, ids, prompt_lens)
+        feats = collect_features(llm, ids, prompt_lens, args.num_heads, progress=_progress_bar("hidden states"))
         model = engine.runner.model
-        head = dense_tensor(_head_weight(engine)).float()
+        head, embedding = _checkpoint_weights(engine)
         name = engine.model_name
         compute_dtype = model.dtype if model.dtype in (torch.float32, torch.bfloat16) else torch.float32
     finally:
         llm.close()
     torch.manual_seed(0)
-    heads, report = train_heads(feats, head, args.num_heads, epochs=args.epochs, lr=args.lr,
+    heads, report = train_heads(feats, head, args.num_heads, embedding=embedding if args.token_input else None,
+                                epochs=args.epochs, lr=args.lr,
                                 batch_size=args.batch_size, compute_dtype=compute_dtype,
                                 progress=_progress_bar("training heads"))
     out = args.out or str(default_heads_path(name))
-    report.update(model=name, prompts=len(conversations), grounded_share=args.grounded_share,
+    report.update(model=name, prompts=len(ids), grounded_share=args.grounded_share, token_input=args.token_input,
                   max_tokens=args.max_tokens, seconds=time.perf_counter() - t0)
     acc = report["heldout_rank_accuracy"]
     report["expected_tokens_per_step"] = {n: round(1 + expected_accepted(acc, best_tree(acc, n)), 3)
@@ -86,14 +97,36 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
     return 0
 
 
-def _head_weight(engine):
-    """The output head's weights, dense, from the checkpoint (tied: the embedding)."""
+def _checkpoint_weights(engine):
+    """The output head's and the input embedding's weights, dense float32, from the
+    checkpoint (tied: the same tensor)."""
     import torch
 
     from tokenloom.core.loader.resolve import resolve_model_path
     from tokenloom.core.runner import load_checkpoint
+    from tokenloom.core.weights import dense_tensor
 
     formats = {n: e.factory for n, e in engine.pm.entries("model_format").items()}
     ckpt = load_checkpoint(resolve_model_path(engine.config.engine.model), formats, torch.float32)
-    name = "model.embed_tokens.weight" if ckpt.config.tie_word_embeddings else "lm_head.weight"
-    return ckpt.weights[name]
+    embedding = dense_tensor(ckpt.weights["model.embed_tokens.weight"]).float()
+    if ckpt.config.tie_word_embeddings:
+        return embedding, embedding
+    return dense_tensor(ckpt.weights["lm_head.weight"]).float(), embedding
+
+
+def write_conversations(path, ids: list[list[int]], prompt_lens: list[int]) -> None:
+    """One JSON line per answered conversation: its token ids and where the answer starts."""
+    with open(path, "w") as f:
+        for conv, n in zip(ids, prompt_lens, strict=True):
+            f.write(json.dumps({"ids": conv, "prompt_len": n}) + "\n")
+
+
+def read_conversations(path) -> tuple[list[list[int]], list[int]]:
+    ids, lens = [], []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                ids.append(row["ids"])
+                lens.append(row["prompt_len"])
+    return ids, lens

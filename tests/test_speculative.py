@@ -5,6 +5,7 @@ conformance kit, per-request decoders in one batch, and nothing lost on preempti
 from __future__ import annotations
 
 import asyncio
+import json
 
 import numpy as np
 import pytest
@@ -246,7 +247,7 @@ def _random_heads(path, num_heads: int, hidden: int, scale: float = 0.5):
     heads = MedusaHeads(num_heads, hidden)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        heads.weight.copy_(torch.randn(num_heads, hidden, hidden, generator=g) * scale / hidden ** 0.5)
+        heads.weight.copy_(torch.randn(heads.weight.shape, generator=g) * scale / hidden ** 0.5)
     heads.save(path, "tiny")
     return path
 
@@ -279,12 +280,18 @@ def test_training_medusa_heads_lowers_their_loss(make_llm, tiny_model_dir, tmp_p
     assert feats.x.shape == (12 * 23, 64) and feats.labels.shape == (12 * 23, 2)
     assert int(feats.labels[0, 0]) == ids[0][len(prompts[0]) + 1]  # head 0 at the last prompt token: token p + 1
     weight = load_file(tiny_model_dir / "model.safetensors")["lm_head.weight"].float()  # untied in the tiny model
-    heads, report = train_heads(feats, weight, 2, epochs=30, lr=3e-3, batch_size=64)
-    assert report["last_loss"] < 0.7 * report["first_loss"]
-    assert report["heldout_top1"][0] >= report["heldout_top1_untrained"][0]
-    heads.save(tmp_path / "h.safetensors", "tiny")
-    loaded = MedusaHeads.load(tmp_path / "h.safetensors", 64)
-    torch.testing.assert_close(loaded.weight, heads.weight.detach())
+    assert feats.tokens[0] == ids[0][len(prompts[0])]  # the token the last prompt position produced
+    embedding = load_file(tiny_model_dir / "model.safetensors")["model.embed_tokens.weight"].float()
+    for token_input in (False, True):
+        heads, report = train_heads(feats, weight, 2, embedding=embedding if token_input else None,
+                                    epochs=30, lr=3e-3, batch_size=64)
+        assert heads.token_input is token_input
+        assert report["last_loss"] < 0.7 * report["first_loss"]
+        assert report["heldout_top1"][0] >= report["heldout_top1_untrained"][0]
+        heads.save(tmp_path / "h.safetensors", "tiny")
+        loaded = MedusaHeads.load(tmp_path / "h.safetensors", 64)  # either kind loads as itself
+        assert loaded.token_input is token_input
+        torch.testing.assert_close(loaded.weight, heads.weight.detach())
 
 
 def test_best_tree_is_the_best_closed_tree_of_its_size():
@@ -344,14 +351,20 @@ def test_the_model_writes_its_own_training_prompts(make_llm):
         distillation_prompts(4, llm, grounded_share=1.5)
 
 
-def test_train_medusa_command_writes_heads_the_decoder_loads(tiny_model_dir, tmp_path):
+def test_train_medusa_command_writes_heads_the_decoder_loads(tiny_model_dir, tmp_path, capsys):
     from tokenloom import LLM
     from tokenloom.protocols.cli import main
 
-    out = tmp_path / "heads.safetensors"
-    rc = main(["train-medusa", "--model", str(tiny_model_dir), "--dtype", "float32", "--num-heads", "2",
-               "--prompts", "6", "--max-tokens", "12", "--epochs", "1", "--out", str(out)])
+    out, data = tmp_path / "heads.safetensors", tmp_path / "conversations.jsonl"
+    args = ["train-medusa", "--model", str(tiny_model_dir), "--dtype", "float32", "--num-heads", "2",
+            "--prompts", "6", "--max-tokens", "12", "--epochs", "1", "--data", str(data)]
+    rc = main([*args, "--out", str(out)])
     assert rc == 0 and out.exists()
+    assert len(data.read_text().splitlines()) == 6
+    capsys.readouterr()
+    data.write_text("\n".join(data.read_text().splitlines()[:4]) + "\n")  # a second run reads, not generates
+    rc = main([*args, "--out", str(tmp_path / "again.safetensors")])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["prompts"] == 4
     with LLM(**tiny_engine_kwargs(tiny_model_dir, decoder={"name": "medusa", "heads": str(out)})) as llm:
         got = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
         assert got.metrics.num_draft_tokens > 0

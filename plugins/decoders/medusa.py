@@ -5,9 +5,14 @@ verification forward already computed.
 
 Head ``i`` (0-based) reads the hidden state of the row that produced a step's last token
 ``x`` and guesses the token ``i + 1`` places after ``x``: a residual block on the
-normalised state, ``h_i = x_n + SiLU(W_i x_n + b_i)`` with ``x_n = RMSNorm(h)``, then the
-model's own (frozen) output head. ``W_i`` and ``b_i`` start at zero, so an untrained head
-repeats the base model's guess; `tokenloom train-medusa` trains them by self-distillation.
+normalised state, ``h_i = x_n + SiLU(W_i [x_n; e_x] + b_i)`` with ``x_n = RMSNorm(h)``,
+then the model's own (frozen) output head. ``e_x`` is the (normalised) embedding of ``x``
+itself: the hidden state only says which tokens were likely, while ``x`` is the one
+chosen, and every later guess depends on it (the sequential dependence Hydra, Ankner et
+al. 2024, arXiv:2402.05109, adds to Medusa; here only the first link of it, so one head
+evaluation per sequence still serves the whole tree). ``W_i`` and ``b_i`` start at zero,
+so an untrained head repeats the base model's guess; `tokenloom train-medusa` trains them
+by self-distillation.
 
 Candidates form a tree (``tree``: paths of per-head top-k ranks, Medusa's "sparse tree";
 ``tree = []`` proposes a chain of each head's best; by default the ``tree_nodes`` nodes
@@ -49,11 +54,15 @@ def default_heads_path(model_name: str) -> Path:
 
 
 class MedusaHeads(torch.nn.Module):
-    """``num_heads`` residual blocks ``x + SiLU(W x + b)`` over the normalised hidden state."""
+    """``num_heads`` residual blocks over the normalised hidden state: ``x + SiLU(W [x; e] + b)``,
+    where ``e`` is the normalised embedding of the token that hidden state produced
+    (``token_input``; older heads read ``x`` alone)."""
 
-    def __init__(self, num_heads: int, hidden_size: int):
+    def __init__(self, num_heads: int, hidden_size: int, token_input: bool = True):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))
+        self.token_input = token_input
+        inputs = hidden_size * (2 if token_input else 1)
+        self.weight = torch.nn.Parameter(torch.zeros(num_heads, hidden_size, inputs))
         self.bias = torch.nn.Parameter(torch.zeros(num_heads, hidden_size))
         self.meta: dict = {}  # what train-medusa reported (held-out accuracies, ...)
 
@@ -61,9 +70,11 @@ class MedusaHeads(torch.nn.Module):
     def num_heads(self) -> int:
         return self.weight.shape[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [N, d]`` normalised hidden states -> ``[H, N, d]`` one per head."""
-        z = torch.einsum("nd,hed->hne", x, self.weight) + self.bias[:, None, :]
+    def forward(self, x: torch.Tensor, e: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [N, d]`` normalised hidden states, ``e [N, d]`` the token features of what each
+        produced (:func:`token_features`; only for ``token_input`` heads) -> ``[H, N, d]``."""
+        inp = torch.cat([x, e], dim=-1) if self.token_input else x
+        z = torch.einsum("nk,hdk->hnd", inp, self.weight) + self.bias[:, None, :]
         return x[None] + torch.nn.functional.silu(z)
 
     def save(self, path: str | Path, model_name: str, meta: dict | None = None) -> None:
@@ -77,6 +88,7 @@ class MedusaHeads(torch.nn.Module):
             tensors[f"medusa.{i}.bias"] = self.bias[i].detach().float().contiguous()
         save_file(tensors, str(path), metadata={"model": model_name, "num_heads": str(self.num_heads),
                                                "hidden_size": str(self.weight.shape[1]),
+                                               "token_input": str(int(self.token_input)),
                                                "tokenloom": json.dumps(meta or {})})
 
     @classmethod
@@ -89,7 +101,7 @@ class MedusaHeads(torch.nn.Module):
             if n < 1 or int(meta.get("hidden_size", -1)) != hidden_size:
                 raise ConfigError(f"{path}: Medusa heads for hidden size {meta.get('hidden_size')} "
                                   f"({n} heads); this model's is {hidden_size}")
-            heads = cls(n, hidden_size)
+            heads = cls(n, hidden_size, token_input=meta.get("token_input", "0") == "1")
             try:
                 heads.meta = json.loads(meta.get("tokenloom", "{}")) or {}
             except ValueError:
@@ -99,6 +111,12 @@ class MedusaHeads(torch.nn.Module):
                     heads.weight[i].copy_(f.get_tensor(f"medusa.{i}.weight"))
                     heads.bias[i].copy_(f.get_tensor(f"medusa.{i}.bias"))
         return heads.eval().requires_grad_(False)
+
+
+def token_features(embedding_rows: torch.Tensor) -> torch.Tensor:
+    """What a head reads of a token: its input embedding, RMS-normalised (float32)."""
+    e = embedding_rows.float()
+    return torch.nn.functional.rms_norm(e, (e.shape[-1],))
 
 
 def normalise(model, h: torch.Tensor) -> torch.Tensor:
@@ -221,7 +239,11 @@ class MedusaDecoder(SharedStepDecoder):
                                             else outputs[seq].num_accepted) for seq, _ in want],
                             device=forward.hidden.device)
         x = normalise(model, forward.hidden[rows])
-        h = self.heads(x)  # [H, S, d]
+        e = None
+        if self.heads.token_input:  # the token each of those rows produced: the step's last
+            last = torch.tensor([outputs[seq].token_ids[-1] for seq, _ in want], device=model.embed.device)
+            e = token_features(model.embed[last])
+        h = self.heads(x, e)  # [H, S, d]
         logits = model.lm_head.apply(h.reshape(-1, h.shape[-1]).to(model.dtype)).float()
         logits = logits.view(self.heads.num_heads, len(want), -1)
         ranks = 1 + max((max(p) for p in self.paths), default=0)

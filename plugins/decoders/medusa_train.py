@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenloom.plugins.decoders.medusa import MedusaHeads, normalise
+from tokenloom.plugins.decoders.medusa import MedusaHeads, normalise, token_features
 
 PROMPT_TEMPLATES = (
     "Explain the following documentation in simple words:\n\n{text}",
@@ -98,6 +98,7 @@ TOPK_RANKS = 10
 @dataclass(slots=True)
 class Features:
     x: torch.Tensor  # [N, d] normalised hidden states at answer positions
+    tokens: torch.Tensor  # [N] the token each of those states produced (the next one)
     labels: torch.Tensor  # [N, H] token i + 2 places ahead for head i (-100 past the end)
     group: torch.Tensor  # [N] which conversation each position came from
 
@@ -110,7 +111,7 @@ def collect_features(llm, conversations: list[list[int]], prompt_lens: list[int]
 
     engine = llm.engine
     model = engine.runner.model
-    xs, labels, groups = [], [], []
+    xs, tokens, labels, groups = [], [], [], []
     for c, (ids, p) in enumerate(zip(conversations, prompt_lens, strict=True)):
         seq = Sequence("medusa", list(ids), SamplingParams(max_tokens=1))
         if not engine.cache.allocate(seq, len(ids)):
@@ -127,26 +128,35 @@ def collect_features(llm, conversations: list[list[int]], prompt_lens: list[int]
             ok = t + i + 2 < len(ids)
             lab[ok, i] = ids_t[t[ok] + i + 2]
         xs.append(x[t].clone())
+        tokens.append(ids_t[t + 1])
         labels.append(lab)
         groups.append(torch.full((len(t),), c))
         if progress is not None:
             progress(c + 1, len(conversations))
-    return Features(torch.cat(xs).float(), torch.cat(labels), torch.cat(groups))
+    return Features(torch.cat(xs).float(), torch.cat(tokens), torch.cat(labels), torch.cat(groups))
 
 
-def train_heads(feats: Features, head_weight: torch.Tensor, num_heads: int, *, epochs: int = 2, lr: float = 1e-3,
-                batch_size: int = 256, holdout: float = 0.1, seed: int = 0, compute_dtype: torch.dtype = torch.float32,
+def train_heads(feats: Features, head_weight: torch.Tensor, num_heads: int, *, embedding: torch.Tensor | None = None,
+                epochs: int = 2, lr: float = 1e-3, batch_size: int = 256, holdout: float = 0.1, seed: int = 0,
+                compute_dtype: torch.dtype = torch.float32,
                 progress: Callable[[int, int], None] | None = None) -> tuple[MedusaHeads, dict]:
     """Train ``num_heads`` heads on ``feats`` through the frozen ``head_weight [V, d]``;
-    returns the heads and a report (loss, held-out accuracy per head and rank). The
-    output-head matmul, most of the work, runs in ``compute_dtype`` (the model's dtype:
-    bf16 where the CPU has it); the heads and the optimiser stay fp32."""
+    with the input ``embedding [V, d]`` they also read the token each state produced
+    (``token_input``; without, the hidden state alone). Returns the heads and a report
+    (loss, held-out accuracy per head and rank). The output-head matmul, most of the work,
+    runs in ``compute_dtype`` (the model's dtype: bf16 where the CPU has it); the heads and
+    the optimiser stay fp32."""
     g = torch.Generator().manual_seed(seed)
     n_groups = int(feats.group.max()) + 1
     held = set(torch.randperm(n_groups, generator=g)[: max(1, int(n_groups * holdout))].tolist())
     is_held = torch.tensor([int(c) in held for c in feats.group])
     train_idx, test_idx = torch.nonzero(~is_held).flatten(), torch.nonzero(is_held).flatten()
-    heads = MedusaHeads(num_heads, feats.x.shape[1])
+    heads = MedusaHeads(num_heads, feats.x.shape[1], token_input=embedding is not None)
+    E = embedding.detach().float() if embedding is not None else None
+
+    def head_states(b: torch.Tensor) -> torch.Tensor:
+        return heads(feats.x[b], token_features(E[feats.tokens[b]]) if E is not None else None)
+
     opt = torch.optim.Adam(heads.parameters(), lr=lr)
     W = head_weight.detach().float()
     Wc = W.to(compute_dtype)
@@ -155,7 +165,7 @@ def train_heads(feats: Features, head_weight: torch.Tensor, num_heads: int, *, e
     for _ in range(epochs):
         order = train_idx[torch.randperm(len(train_idx), generator=g)]
         for b in order.split(batch_size):
-            logits = (heads(feats.x[b]).to(compute_dtype) @ Wc.T).float()  # [H, B, V]
+            logits = (head_states(b).to(compute_dtype) @ Wc.T).float()  # [H, B, V]
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, W.shape[0]), feats.labels[b].T.reshape(-1),
                                                      ignore_index=-100)
             opt.zero_grad()
@@ -171,7 +181,7 @@ def train_heads(feats: Features, head_weight: torch.Tensor, num_heads: int, *, e
         total = torch.zeros(num_heads)
         base = torch.zeros(num_heads)
         for b in test_idx.split(1024):
-            top = (heads(feats.x[b]) @ W.T).topk(TOPK_RANKS, dim=-1).indices  # [H, B, R]
+            top = (head_states(b) @ W.T).topk(TOPK_RANKS, dim=-1).indices  # [H, B, R]
             untrained = (feats.x[b] @ W.T).argmax(-1)  # what a zero head (the base guess) predicts
             lab = feats.labels[b].T
             valid = lab != -100
