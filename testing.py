@@ -1,4 +1,4 @@
-"""A conformance kit for decoder plugins, third-party ones included: ``tokenloom.testing``.
+"""Conformance kits for plugins, third-party ones included: ``tokenloom.testing``.
 
 A decoder may change how fast tokens come, never which tokens (greedy) or with what
 probability (sampled). :func:`check_decoder` runs three checks on an engine:
@@ -18,6 +18,14 @@ Use it from pytest::
         model = make_tiny_model(tmp_path / "tiny")
         check_decoder("my-decoder", model_dir=model, plugins=[MyPlugin()])
 
+Backends have their own kit, :func:`check_backend` (tokenloom/backends/conformance.py):
+every op of the ``Backend`` protocol against the ``torch`` backend at odd shapes::
+
+    from tokenloom.testing import check_backend
+
+    def test_my_backend():
+        check_backend("my-backend", plugins=[my_plugin], device="cuda")
+
 The tiny model (:func:`make_tiny_model`) is a random LLaMA in the Hugging Face layout with a
 vocabulary of a dozen tokens, so a few thousand draws pin the distribution down. Its prompt
 (:data:`KIT_PROMPT`) repeats a pattern, so a prompt-lookup decoder finds drafts to verify.
@@ -29,13 +37,33 @@ import json
 import math
 from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
 
-__all__ = ["KIT_PROMPT", "KIT_SAMPLING", "ConformanceError", "check_blocks_back", "check_decoder",
-           "check_distribution", "check_greedy_identical", "chi_square", "exact_marginals", "make_tiny_model"]
+if TYPE_CHECKING:
+    from tokenloom.backends.conformance import (
+        KIT_BACKEND_CASES,
+        BackendCase,
+        check_backend,
+    )
+
+__all__ = ["KIT_BACKEND_CASES", "KIT_PROMPT", "KIT_SAMPLING", "BackendCase", "ConformanceError", "check_backend",
+           "check_blocks_back", "check_decoder", "check_distribution", "check_greedy_identical", "chi_square",
+           "exact_marginals", "make_tiny_model"]
+
+#: The backend kit lives in tokenloom/backends/conformance.py (its own module: one concept,
+#: and ~300 lines); ``from tokenloom.testing import check_backend`` loads it on first use.
+_BACKEND_KIT = ("BackendCase", "KIT_BACKEND_CASES", "TOLERANCES", "check_backend")
+
+
+def __getattr__(name: str):
+    if name in _BACKEND_KIT:
+        from tokenloom.backends import conformance
+
+        return getattr(conformance, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 #: every token but EOS, twice: a drafter that copies from the context finds a match after any token
 KIT_PROMPT = [*range(11), *range(11), 0, 1, 2]

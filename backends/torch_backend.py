@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from tokenloom.backends.torch_linear import pack
 from tokenloom.core.attention import AttentionInputs
 from tokenloom.core.hookspecs import hookimpl
+from tokenloom.core.models.llama import apply_rope
 
 
 class TorchBackendOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -194,29 +195,27 @@ class TorchBackend:
 
     # ---- per-step metadata ------------------------------------------------------
     def prepare(self, inp: AttentionInputs) -> TorchAttnMeta:
+        """The step's tensors (``inp.tensors``: block tables, lengths, rows) as the ops take
+        them; per prefill span its blocks and, when it has a cached part or a tree, a mask."""
         dev, bs = self.device, inp.block_size
+        t = inp.tensors(dev)
         decode_rows = decode_blocks = decode_bias = decode_tables = decode_lens = None
-        if inp.decode_rows:
-            max_blocks = (max(inp.decode_context_lens) + bs - 1) // bs
-            table = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in inp.decode_block_tables]
-            decode_tables = torch.tensor(table, dtype=torch.long, device=dev)
-            decode_lens = torch.tensor(inp.decode_context_lens, dtype=torch.long, device=dev)
-            decode_rows = torch.tensor(inp.decode_rows, dtype=torch.long, device=dev)
+        if t.decode_rows is not None:
+            decode_rows, decode_tables, decode_lens = t.decode_rows, t.decode_block_tables, t.decode_context_lens
             if self.fused_decode is None:  # the torch path: flat padded blocks and a -inf bias
                 meta = _padded_decode(TorchAttnMeta(inp.slot_mapping, decode_rows, None, None, [], decode_tables,
                                                     decode_lens), bs)
                 decode_blocks, decode_bias, decode_tables, decode_lens = meta.decode_blocks, meta.decode_bias, None, None
         prefills = []
-        for span in inp.prefills:
+        for i, span in enumerate(inp.prefills):
             if span.q_len == span.context_len and span.tree_parents is None:  # nothing cached: the new K/V directly
                 prefills.append((span.q_start, span.q_end, None, span.context_len, None))
                 continue
-            num_blocks = (span.context_len + bs - 1) // bs
-            blocks = torch.tensor(span.block_table[:num_blocks], dtype=torch.long, device=dev)
+            blocks = t.prefill_block_tables[i, :(span.context_len + bs - 1) // bs]
             offset = span.context_len - span.q_len
-            i = torch.arange(span.q_len, device=dev)[:, None]
+            q = torch.arange(span.q_len, device=dev)[:, None]
             j = torch.arange(span.context_len, device=dev)[None, :]
-            mask = j <= i + offset
+            mask = j <= q + offset
             if span.tree_parents:
                 mask[span.q_len - len(span.tree_parents):, span.context_len - len(span.tree_parents):] = \
                     _tree_mask(span.tree_parents, dev)
@@ -327,6 +326,11 @@ class TorchBackend:
         probs = torch.softmax(scores, dim=-1).to(values.dtype).view(kv_heads * B, group, -1)
         out = torch.bmm(probs, values).to(q.dtype)  # [KVH * B, G, D]
         return out.view(kv_heads, B, group, D).transpose(0, 1).reshape(B, H, D)
+
+    def rope(self, x, cos, sin):
+        """Rotate-half RoPE (the model's reference, ``apply_rope``); float32 cos/sin promote a
+        bf16 ``x``: the same values as converting it first, without a copy op."""
+        return apply_rope(x, cos, sin)
 
     def rms_norm(self, x, weight, eps: float):
         return F.rms_norm(x.float(), (x.shape[-1],), weight, eps)

@@ -232,7 +232,11 @@ class Backend(Protocol):
         ``attention`` quantise and dequantise (the model always hands them ``dtype``)."""
 
     def prepare(self, meta: Any) -> Any:
-        """Build per-step attention metadata once, before the layers run."""
+        """Build per-step attention metadata once, before the layers run, from an
+        ``AttentionInputs`` (core/attention.py): ``meta.tensors(device)`` gives the step's
+        block tables, context lengths and query starts as tensors (the runner writes them into
+        persistent buffers); the per-span Python fields say what is cached and where a draft
+        tree's mask applies."""
 
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None: ...
 
@@ -255,6 +259,11 @@ class Backend(Protocol):
         k, the KV write and attention in one call; returns ``[T, H * D]`` in qkv's dtype, or
         None when it does not apply (the model then calls ``write_kv`` and ``attention``).
         A backend without such a path returns None."""
+
+    def rope(self, x, cos, sin):
+        """Rotary embedding, rotate-half (neox) form: ``x [T, heads, head_dim]`` (q and k heads
+        together, any float dtype) by float32 ``cos``/``sin`` ``[T, 1, head_dim]`` of each
+        token's position; returns float32 ``[T, heads, head_dim]``."""
 
     def rms_norm(self, x, weight, eps: float): ...
 

@@ -45,6 +45,7 @@ BUILTIN_PLUGINS = (
     "tokenloom.plugins.quantizers.packed",
     "tokenloom.plugins.formats",
     "tokenloom.backends.torch_backend",
+    "tokenloom.backends.triton_backend",
     "tokenloom.protocols.frontends",
 )
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenloom.core.attention import AttentionInputs, PrefillSpan
+from tokenloom.core.attention import AttentionInputs, PrefillSpan, StepBuffers
 from tokenloom.core.loader import LoadedCheckpoint
 from tokenloom.core.models.llama import LlamaModel
 from tokenloom.core.sampler import Sampler
@@ -65,6 +65,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.kv_caches: list = []
         self.sampler = Sampler(seed, device)
+        self.step_buffers = StepBuffers(device)  # the step's tables and lengths, written in place
 
     def allocate_kv_cache(self, num_blocks: int, kv_cache_dtype: str = "auto") -> None:
         """``kv_cache_dtype``: ``auto`` (the model dtype) or an 8-bit storage, ``fp8`` or ``int8``."""
@@ -124,6 +125,7 @@ class ModelRunner:
                 row_counts.append(k + 1)
         dev = self.device
         attn.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
+        attn.step = self.step_buffers.build(attn)
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), attn, sample_rows, sample_seqs, row_counts)
 

@@ -5,5 +5,7 @@
   use with torch's inline extension loader; the torch backend uses it by default
   (``backend.decode_attention``) and keeps its own ops where it cannot be built.
 
-Triton kernels for the `triton` backend are a later issue.
+- ``triton``: the `triton` backend's kernels (paged attention, KV write, norms, RoPE,
+  4-bit and fp8 matmuls), each with its launcher and torch reference; importing it
+  defines them, so without a GPU set ``TRITON_INTERPRET=1`` first.
 """

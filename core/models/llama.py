@@ -66,7 +66,7 @@ class LlamaLayer(nn.Module):
             # q and k rotate together: one RoPE over [T, heads + kv_heads, head_dim], in float32
             # (the float32 cos/sin promote a bf16 qkv: the same values as converting it first,
             # without a copy op)
-            qk = apply_rope(qkv[:, :cfg.q_size + cfg.kv_size].view(T, -1, cfg.head_dim), cos, sin)
+            qk = backend.rope(qkv[:, :cfg.q_size + cfg.kv_size].view(T, -1, cfg.head_dim), cos, sin)
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim).to(dtype)
             k, q = k.to(dtype), q.to(dtype)  # the backend quantises K/V in write_kv if asked
