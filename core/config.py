@@ -214,6 +214,9 @@ def _convert_options(role: str, name: str, options_type: type | None, table: dic
         msg = str(exc)
         if "unknown field" in msg:
             key = msg.split("`")[1] if "`" in msg else "?"
+            if "at `$." in msg:  # inside a nested table (msgspec writes a mapping's keys as [...])
+                where = msg.split("at `$.", 1)[1].split("`", 1)[0]
+                raise ConfigError(f"unknown key {key!r} in {role}.{where} for {label} {name!r}") from None
             known = ", ".join(options_type.__struct_fields__)
             raise ConfigError(
                 f"unknown key {role}.{key} for {label} {name!r}; known: {known}"

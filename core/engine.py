@@ -222,6 +222,7 @@ class AsyncEngine:
         self._finish(req, status, error)
 
     def _update(self, batch: Batch, out: DecoderOutput, step_time: float) -> None:
+        self.scheduler.observe(batch, step_time)  # before the results move num_computed_tokens
         now = time.monotonic()
         generated = prefill_tokens = decode_seqs = 0
         for seq, n in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
@@ -276,6 +277,7 @@ class AsyncEngine:
             self.scheduler.finish(seq)  # aborts, errors and timeouts went through scheduler.abort
         self.decoder.release(seq)
         final = req.finish(status, error)
+        self.scheduler.on_finished(seq, final)
         del self._requests[seq.request_id]
         self.counters.finished_requests += 1
         m = final.metrics
@@ -291,7 +293,8 @@ class AsyncEngine:
         return len(self._requests)
 
     def stats(self) -> dict:
-        return engine_stats(self.cache.stats(), self.scheduler, self.counters, self.decoder.stats())
+        return engine_stats(self.cache.stats(), self.scheduler, self.counters, self.decoder.stats(),
+                            self.scheduler.stats())
 
     async def shutdown(self) -> None:
         for rid in list(self._requests):

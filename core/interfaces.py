@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from tokenloom.core.outputs import Finished
 from tokenloom.core.sequence import Batch, Sequence
 from tokenloom.core.weights import LinearSlot, LinearWeight, WeightSpec
 
@@ -126,6 +127,12 @@ class CacheManager(Protocol):
 
 @runtime_checkable
 class Scheduler(Protocol):
+    """Decides which sequences run each step under its budgets. Per step the engine calls
+    ``schedule()``, runs the batch, then ``observe(batch, step_time_s)``; at a request's end
+    ``finish`` (stop/length) or ``abort``, then ``on_finished``. ``observe``, ``on_finished``
+    and ``stats`` are optional: ``QueueScheduler`` (plugins/schedulers/base.py) gives them
+    no-op defaults."""
+
     def add(self, seq: Sequence) -> None: ...
 
     def schedule(self) -> Batch: ...
@@ -142,6 +149,20 @@ class Scheduler(Protocol):
 
     @property
     def num_waiting(self) -> int: ...
+
+    def observe(self, batch: Batch, step_time_s: float) -> None:
+        """After every step, with the batch that ran and the decoder's wall time for it, in
+        seconds. Called before the engine applies the step's results: each sequence's
+        ``num_computed_tokens`` is still where the batch started. A scheduler that plans by
+        time fits its step-cost model here."""
+
+    def on_finished(self, seq: Sequence, output: Finished) -> None:
+        """Once per request that ended, for any reason, after ``finish``/``abort`` and after
+        its :class:`Finished` was built: ``output.metrics`` holds the TTFT and TPOT the
+        engine measured (an SLO scheduler counts targets met here)."""
+
+    def stats(self) -> dict[str, float]:
+        """Counters for ``engine.stats()`` (shown there as ``scheduler_<key>``); {} if none."""
 
 
 @runtime_checkable

@@ -63,11 +63,14 @@ class EngineCounters:
     busy_time_s: float = 0.0
 
 
-def engine_stats(cs, scheduler, c: EngineCounters, decoder_stats: dict | None = None) -> dict:
+def engine_stats(cs, scheduler, c: EngineCounters, decoder_stats: dict | None = None,
+                 scheduler_stats: dict | None = None) -> dict:
     """What /health and /metrics show: queues, KV blocks (every block is used by live
-    sequences, cached as reclaimable prefix KV, or free), prefix hits, counters, and the
-    decoders' own counters under ``decoder_*`` (speculation: drafted, accepted, ...)."""
+    sequences, cached as reclaimable prefix KV, or free), prefix hits, counters, the
+    decoders' own counters under ``decoder_*`` (speculation: drafted, accepted, ...) and the
+    scheduler's under ``scheduler_*`` (``slo``: attainment per class)."""
     return {**{f"decoder_{k}": v for k, v in (decoder_stats or {}).items()},
+        **{f"scheduler_{k}": v for k, v in (scheduler_stats or {}).items()},
         "running": scheduler.num_running, "waiting": scheduler.num_waiting,
         "kv_usage": cs.usage, "kv_blocks_used": cs.num_used_blocks, "kv_blocks_cached": cs.num_cached_blocks,
         "kv_blocks_free": cs.num_free_blocks, "kv_blocks_total": cs.num_blocks,
@@ -77,3 +80,23 @@ def engine_stats(cs, scheduler, c: EngineCounters, decoder_stats: dict | None = 
         "finished_requests": c.finished_requests, "peak_kv_usage": c.peak_kv_usage,
         "peak_running": c.peak_running,
     }
+
+
+# SLO attainment counters (the `slo` scheduler): one per (class, outcome), named
+# ``slo_<class>_<outcome>`` in Scheduler.stats(), so engine.stats() shows them as
+# ``scheduler_slo_<class>_<outcome>`` and /metrics labels them by class and outcome.
+SLO_OUTCOMES = ("finished", "ttft_met", "tpot_met", "both_met")
+
+
+def slo_stat_key(slo_class: str, outcome: str) -> str:
+    return f"slo_{slo_class}_{outcome}"
+
+
+def split_slo_key(key: str) -> tuple[str, str] | None:
+    """``"slo_interactive_ttft_met"`` -> ``("interactive", "ttft_met")``; None for other keys."""
+    if key.startswith("slo_"):
+        for outcome in SLO_OUTCOMES:
+            cls = key[len("slo_"):-len(outcome) - 1]
+            if key.endswith(f"_{outcome}") and cls:
+                return cls, outcome
+    return None

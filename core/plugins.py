@@ -33,6 +33,7 @@ BUILTIN_PLUGINS = (
     "tokenloom.plugins.schedulers.continuous",
     "tokenloom.plugins.schedulers.static",
     "tokenloom.plugins.schedulers.cache_aware",
+    "tokenloom.plugins.schedulers.slo",
     "tokenloom.plugins.cache.paged",
     "tokenloom.plugins.cache.contiguous",
     "tokenloom.plugins.cache.radix",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import msgspec
@@ -25,6 +26,9 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_SPECULATIVE_TOKENS = 16  # draft tokens verified per step (K)
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
+MAX_SLO_TARGET_MS = 3_600_000.0  # an hour: a latency target beyond it is no target
+# an SLO class name labels stats keys and metrics: letters, digits, '_', '-', '.'
+SLO_CLASS_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -42,6 +46,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ``None``: the engine's configured one) and ``num_speculative_tokens`` its K, the draft
     tokens verified per step (``None``: the decoder's own default). Every decoder gives the
     same output distribution; only the speed differs.
+    ``slo_class`` names the request's service class (free names of letters, digits, ``_``,
+    ``-`` and ``.``, e.g. ``interactive`` or ``batch``); ``ttft_ms`` and ``tpot_ms`` are its latency targets: time to the first token
+    and mean time per output token after it, in milliseconds. A target left ``None`` comes
+    from the class's defaults in the ``slo`` scheduler's options; other schedulers ignore
+    all three (they only label the request).
     """
 
     temperature: float = 1.0
@@ -60,6 +69,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     timeout_s: float | None = None
     decoder: str | None = None
     num_speculative_tokens: int | None = None
+    slo_class: str | None = None
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
@@ -133,6 +145,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
                 raise ClientError.bad_value("num_speculative_tokens", self.num_speculative_tokens,
                                             f"in [0, {MAX_SPECULATIVE_TOKENS}]")
+        if self.slo_class is not None and (not isinstance(self.slo_class, str)
+                                           or not SLO_CLASS_RE.fullmatch(self.slo_class)):
+            raise ClientError.bad_value("slo_class", self.slo_class,
+                                        "a name of 1 to 64 letters, digits, '_', '-' or '.'")
+        for name in ("ttft_ms", "tpot_ms"):
+            value = getattr(self, name)
+            if value is not None:
+                _finite(name, value)
+                if not 0.0 < value <= MAX_SLO_TARGET_MS:
+                    raise ClientError.bad_value(name, value, f"in (0, {MAX_SLO_TARGET_MS:g}] milliseconds")
 
 
 def _finite(name: str, value: object) -> None:

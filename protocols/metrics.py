@@ -11,6 +11,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from tokenloom.core.metrics import split_slo_key
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -44,6 +46,10 @@ class ServerMetrics:
         self.spec_accepted = Counter("tokenloom_spec_decode_accepted_tokens", "Draft tokens accepted", registry=r)
         self.decoder = Gauge("tokenloom_decoder_stat", "Decoder counters (engine.stats() decoder_*)",
                              ["stat"], registry=r)
+        self.scheduler = Gauge("tokenloom_scheduler_stat", "Scheduler counters (engine.stats() scheduler_*)",
+                               ["stat"], registry=r)
+        self.slo = Gauge("tokenloom_slo_requests", "Requests per SLO class: finished, and those that met "
+                         "their TTFT, their TPOT, both (scheduler `slo`)", ["slo_class", "outcome"], registry=r)
 
     def observe_finished(self, reason: str, final) -> None:
         self.requests.labels(finish_reason=reason).inc()
@@ -73,4 +79,10 @@ class ServerMetrics:
         for key, value in s.items():
             if key.startswith("decoder_"):
                 self.decoder.labels(stat=key.removeprefix("decoder_")).set(value)
+            elif key.startswith("scheduler_"):
+                slo = split_slo_key(key.removeprefix("scheduler_"))
+                if slo is not None:
+                    self.slo.labels(slo_class=slo[0], outcome=slo[1]).set(value)
+                else:
+                    self.scheduler.labels(stat=key.removeprefix("scheduler_")).set(value)
         return generate_latest(self.registry).decode()

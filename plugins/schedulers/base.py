@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections import deque
 
 from tokenloom.core.errors import RequestTooLong
+from tokenloom.core.outputs import Finished
 from tokenloom.core.sequence import Batch, Sequence, SequenceStatus, draft_depths
 
 
 class QueueScheduler:
-    """A waiting deque and a running list (oldest first), plus finish/abort/preempt."""
+    """A waiting deque and a running list (oldest first), plus finish/abort/preempt, and
+    the no-op defaults of the Scheduler protocol's optional methods."""
 
     def __init__(self, cache, max_num_seqs: int):
         self.cache = cache
@@ -101,6 +103,15 @@ class QueueScheduler:
         batch.draft_tokens.append(drafts or [])
         batch.draft_parents.append(parents if drafts else None)
         batch.block_tables.append(self.cache.block_table(seq))
+
+    def observe(self, batch: Batch, step_time_s: float) -> None:
+        """The step that ran ``batch`` took ``step_time_s``: nothing to learn by default."""
+
+    def on_finished(self, seq: Sequence, output: Finished) -> None:
+        """A request ended: nothing to count by default."""
+
+    def stats(self) -> dict[str, float]:
+        return {}
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

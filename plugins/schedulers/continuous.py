@@ -45,48 +45,69 @@ class ContinuousScheduler(QueueScheduler):
         """Which waiting sequence to admit next: FCFS here; subclasses reorder."""
         return self.waiting[0]
 
+    def pick_victim(self, batch: Batch) -> Sequence:
+        """Which running sequence to preempt when a block runs out: the newest. It is never
+        one already in ``batch`` (running sequences are scheduled oldest first)."""
+        return self.running[-1]
+
     def schedule(self) -> Batch:
         batch = Batch()
         budget = self.token_budget
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            drafts, parents = self.drafts_for(seq, n, budget)
-            if drafts and not self.cache.allocate(seq, n, num_lookahead=len(drafts)):
-                drafts = []  # no room to speculate: decode plainly, never preempt for drafts
-            while not drafts and not self.cache.allocate(seq, n):
-                victim = self.running[-1]
-                self.preempt(victim, batch)
-                if victim is seq:
-                    break
-            if seq.status is SequenceStatus.PREEMPTED:
+            used = self.run_running(seq, min(seq.num_tokens - seq.num_computed_tokens, budget), budget, batch)
+            if used is None:
                 break
-            self._add_to_batch(batch, seq, n, drafts, parents)
-            budget -= n + len(drafts)
+            budget -= used
             i += 1
         if batch.preempted:  # memory is tight: admit nothing new this step
             return self.finalize(batch)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.next_waiting()
-            self.claim_cached_prefix(seq)
-            n = seq.num_tokens - seq.num_computed_tokens
-            if n > budget:
-                # Without chunking a prompt runs whole; a recomputed sequence longer than the
-                # budget is the exception (it would never run otherwise).
-                if not self.chunked and not (n > self.token_budget and batch.is_empty):
-                    self.release_claim(seq)
-                    break
-                n = budget
-            if not self.cache.allocate(seq, n):
-                self.release_claim(seq)
+            used = self.admit(self.next_waiting(), budget, batch)
+            if used is None:
                 break
-            self.waiting.remove(seq)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self._add_to_batch(batch, seq, n)
-            budget -= n
+            budget -= used
         return self.finalize(batch)
+
+    def run_running(self, seq: Sequence, n: int, budget: int, batch: Batch) -> int | None:
+        """Put ``n`` tokens of running ``seq`` in ``batch``, plus the draft tokens its decoder
+        proposed when ``budget`` and the cache have room for them; preempt others (by
+        :meth:`pick_victim`) when its blocks cannot be had. Returns the tokens it took, or
+        None when ``seq`` itself was preempted."""
+        drafts, parents = self.drafts_for(seq, n, budget)
+        if drafts and not self.cache.allocate(seq, n, num_lookahead=len(drafts)):
+            drafts = []  # no room to speculate: decode plainly, never preempt for drafts
+        while not drafts and not self.cache.allocate(seq, n):
+            victim = self.pick_victim(batch)
+            self.preempt(victim, batch)
+            if victim is seq:
+                return None
+        self._add_to_batch(batch, seq, n, drafts, parents)
+        return n + len(drafts)
+
+    def admit(self, seq: Sequence, budget: int, batch: Batch) -> int | None:
+        """Move waiting ``seq`` to running with up to ``budget`` tokens of its prefill (its
+        cached prefix claimed first). Returns the tokens it took, or None (nothing changed)
+        when it does not fit: the cache is full, or its prompt exceeds the budget with
+        chunked prefill off."""
+        self.claim_cached_prefix(seq)
+        n = seq.num_tokens - seq.num_computed_tokens
+        if n > budget:
+            # Without chunking a prompt runs whole; a recomputed sequence longer than the
+            # budget is the exception (it would never run otherwise).
+            if not self.chunked and not (n > self.token_budget and batch.is_empty):
+                self.release_claim(seq)
+                return None
+            n = budget
+        if not self.cache.allocate(seq, n):
+            self.release_claim(seq)
+            return None
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._add_to_batch(batch, seq, n)
+        return n
 
 
 @hookimpl

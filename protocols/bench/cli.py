@@ -91,6 +91,24 @@ def add_bench_parser(sub) -> None:
     add_engine_args(px)
     px.set_defaults(func=_bench("prefix"))
 
+    so = bsub.add_parser("slo", help="latency targets under a mixed load: goodput and attainment, continuous vs slo")
+    so.add_argument("--schedulers", default="continuous,slo", help="comma list; each runs in its own process")
+    so.add_argument("--duration", type=float, default=40.0, help="seconds of interactive arrivals")
+    so.add_argument("--rate", type=float, default=0.5, help="interactive requests/s, Poisson")
+    so.add_argument("--ttft-ms", type=float, help="interactive TTFT target (default: from plain steps measured first)")
+    so.add_argument("--tpot-ms", type=float, help="interactive TPOT target (default: from plain steps measured first)")
+    so.add_argument("--interactive-prompt-len", default="16-64")
+    so.add_argument("--interactive-output-len", default="16-48")
+    so.add_argument("--batch-concurrency", type=int, default=2, help="long best-effort jobs kept running")
+    so.add_argument("--batch-prompt-len", default="1024-1536")
+    so.add_argument("--batch-output-len", default="64-128")
+    so.add_argument("--workload-seed", type=int, default=0)
+    so.add_argument("--json", metavar="FILE")
+    so.add_argument("--plot", metavar="FILE.png")
+    add_engine_args(so)
+    so.set_defaults(func=cmd_slo)
+
+
 
 def _add_serve_bench(bsub) -> None:
     from tokenloom.protocols.bench.serve import cmd_serve_bench
@@ -148,6 +166,11 @@ def _bench(module: str):
 
 def cmd_peers(args: argparse.Namespace) -> int:
     _report(args, "peers", "run_peers", "format_peers", plot="plot_peers")
+    return 0
+
+
+def cmd_slo(args: argparse.Namespace) -> int:
+    _report(args, "slo", "run_slo", "format_slo", plot="plot_slo")
     return 0
 
 

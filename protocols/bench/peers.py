@@ -16,14 +16,13 @@ At concurrency N tokenloom runs with ``max_num_seqs = N``.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import shutil
 import socket
 import subprocess
 import time
 import urllib.request
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -32,6 +31,7 @@ from tokenloom.core.config import merge_layers
 from tokenloom.core.loader.resolve import resolve_model_path
 from tokenloom.core.plugins import PluginManager
 from tokenloom.protocols.bench.runner import StepRecorder, run_workload
+from tokenloom.protocols.bench.runner import isolated as _isolated
 from tokenloom.protocols.bench.stats import ratio
 from tokenloom.protocols.bench.workload import (
     BenchRequest,
@@ -67,13 +67,6 @@ def run_tokenloom(args, flags, pm) -> tuple[dict, list[BenchRequest]]:
         llm.close()
         pm.pm.unregister(recorder)
     return _row(f"tokenloom {sched}+{cache}", workload, res["elapsed_s"], dtype), workload
-
-
-def _isolated(fn, *args):
-    """``fn(*args)`` in a fresh process (spawned: no inherited torch threads); a crash there,
-    SIGILL included, raises here (BrokenProcessPool) instead of ending the run."""
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
 
 
 def run_llama_cpp_single(model_path: Path, workload, threads: int) -> dict | None:

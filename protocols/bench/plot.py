@@ -72,3 +72,53 @@ def plot_peers(report: dict, path: str) -> list[str]:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return names
+
+
+def plot_slo(report: dict, path: str) -> dict[str, list[str]]:
+    """Left: share of each class that met both targets, per scheduler; middle: TTFT p50 and
+    p99 per class; right: goodput and output tok/s. Returns the series drawn per panel."""
+    plt = _pyplot()
+    results = report["results"]
+    names = [r["scheduler"] for r in results]
+    classes = sorted({c for r in results for c in r["classes"]})
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.8))
+    x = range(len(names))
+    w = 0.8 / max(1, len(classes))
+    series = {"attainment": [], "ttft": [], "throughput": ["goodput req/s", "output tok/s"]}
+    for j, cls in enumerate(classes):
+        vals = [100 * r["classes"].get(cls, {}).get("both_met", float("nan")) for r in results]
+        ax1.bar([i - 0.4 + w * (j + 0.5) for i in x], vals, w, label=cls)
+        series["attainment"].append(cls)
+    ax1.set_xticks(list(x), names)
+    ax1.set_ylim(0, 105)
+    ax1.set_ylabel("% of finished requests")
+    ax1.set_title("Met both targets (higher is better)")
+    ax1.legend()
+    bars = [(cls, p) for cls in classes for p in ("p50", "p99")]
+    w = 0.8 / len(bars)
+    for j, (cls, p) in enumerate(bars):
+        ax2.bar([i - 0.4 + w * (j + 0.5) for i in x],
+                [r["classes"].get(cls, {}).get(f"ttft_{p}_ms", float("nan")) for r in results], w, label=f"{cls} {p}")
+        series["ttft"].append(f"{cls} {p}")
+    ttft_target = report.get("workload", {}).get("ttft_ms")
+    if ttft_target:
+        ax2.axhline(ttft_target, color="#c0392b", linestyle="--", linewidth=1, label="interactive target")
+    ax2.set_yscale("log")
+    ax2.set_xticks(list(x), names)
+    ax2.set_ylabel("ms")
+    ax2.set_title("TTFT (lower is better)")
+    ax2.legend(fontsize=8)
+    ax3.bar([i - 0.2 for i in x], [r["goodput_req_s"] for r in results], 0.4, label="goodput req/s", color="#3b7dd8")
+    ax3.set_ylabel("requests / s meeting their targets")
+    ax3b = ax3.twinx()
+    ax3b.bar([i + 0.2 for i in x], [r["output_tok_s"] for r in results], 0.4, label="output tok/s", color="#9cc0f0")
+    ax3b.set_ylabel("output tokens / s")
+    ax3.set_xticks(list(x), names)
+    ax3.set_title("Goodput and throughput")
+    fig.legend(*[sum(z, []) for z in zip(ax3.get_legend_handles_labels(), ax3b.get_legend_handles_labels(),
+                                          strict=True)], loc="lower right", fontsize=8)
+    fig.suptitle("tokenloom bench slo: interactive requests with targets beside long best-effort jobs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return series

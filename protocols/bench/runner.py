@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 from tokenloom.core.hookspecs import hookimpl
@@ -68,3 +70,10 @@ def run_workload(llm, workload: list[BenchRequest], recorder: StepRecorder) -> d
         "preemptions": sum(s.num_preempted for s in steps),
         "steps": len(steps),
     }
+
+
+def isolated(fn, *args):
+    """``fn(*args)`` in a fresh process (spawned: no inherited torch threads or memory); a
+    crash there, SIGILL included, raises here (BrokenProcessPool) instead of ending the run."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
