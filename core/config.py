@@ -57,6 +57,8 @@ class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
     max_restarts: int = 5  # failed steps in a row before the engine gives up (core/health.py)
     restart_backoff_s: float = 0.5  # first wait before restarting the step loop; doubles per failure
+    # publish a step's outputs (detokenise, stream, time, log) while the next step runs
+    overlap: bool = True
 
 
 @dataclass(slots=True)

@@ -24,6 +24,11 @@ class IncrementalDetokenizer:
         self.emitted = 0
         self.stopped = False
 
+    @property
+    def needs_text(self) -> bool:
+        """Whether stopping depends on the text (stop strings), not only on token ids."""
+        return bool(self.stop)
+
     def add(self, token_id: int) -> bool:
         """Add one token; returns True when a stop string has been found."""
         self.ids.append(token_id)

@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import structlog
 
@@ -50,6 +51,8 @@ class AsyncEngine:
         self._decoder_names = sorted(self.pm.entries("decoder"))
         self._requests: dict[str, RequestState] = {}
         self._pending_aborts: list[str] = []
+        self._pending: dict[str, _Pending] = {}  # committed outputs not yet published, by request id
+        self.overlap = config.engine.overlap
         # Long prompts are tokenised here, off the event loop and beside the step thread.
         self._tokenize_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenloom-tokenize")
         self._loop_task: asyncio.Task | None = None
@@ -156,7 +159,8 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> bool:
         """Abort at the next step boundary; the stream ends with Finished('aborted')."""
-        if request_id not in self._requests or self._requests[request_id].done:
+        req = self._requests.get(request_id)
+        if req is None or req.done or req.ending is not None:  # over, or its end already committed
             return False
         self._pending_aborts.append(request_id)
         if self._wakeup is not None:
@@ -165,22 +169,33 @@ class AsyncEngine:
 
     # ---- the step loop ------------------------------------------------------------
     async def _run_loop(self) -> None:
+        """schedule -> step (worker thread) -> commit -> publish. With ``engine.overlap`` a
+        step's outputs are published (detokenised, streamed, timed, logged) while the next
+        step runs, vLLM's "async output processing": only what the next schedule depends on
+        -- tokens appended, stops found, finished sequences' blocks freed -- stays between
+        two steps (:meth:`_commit`), so the tokens are the same either way."""
         loop = asyncio.get_running_loop()
         try:
             while True:
                 self._apply_aborts()
                 self._expire_deadlines(time.monotonic())
                 if not self.scheduler.has_unfinished():
+                    self._publish()
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
                 batch = self.scheduler.schedule()
                 if batch.is_empty:
+                    self._publish()
                     await asyncio.sleep(0.001)
                     continue
                 t0 = time.perf_counter()
-                out = await loop.run_in_executor(self._executor, self.decoder.step, batch)
-                self._update(batch, out, time.perf_counter() - t0)
+                step = loop.run_in_executor(self._executor, self.decoder.step, batch)
+                self._publish()  # the previous step's outputs, while this one runs
+                out = await step
+                self._commit(batch, out, time.perf_counter() - t0)
+                if not self.overlap:
+                    self._publish()
                 self.health.on_success()
         except asyncio.CancelledError:
             raise
@@ -194,6 +209,7 @@ class AsyncEngine:
         log.exception("engine_step_failed", error=str(exc), failures=self.health.failures,
                       consecutive=self.health.consecutive, dead=self.health.dead)
         self._pending_aborts.clear()
+        self._publish()  # what earlier steps committed reaches its streams first
         for req in list(self._requests.values()):
             self._end_early(req, SequenceStatus.FINISHED_ERROR, error=f"internal error: {type(exc).__name__}")
         if self.health.dead:
@@ -207,21 +223,31 @@ class AsyncEngine:
         while self._deadlines and self._deadlines[0][0] <= now:
             _, seq_id, request_id = heapq.heappop(self._deadlines)
             req = self._requests.get(request_id)
-            if req is not None and req.seq.seq_id == seq_id and not req.done:
+            if req is not None and req.seq.seq_id == seq_id and not req.done and req.ending is None:
                 self._end_early(req, SequenceStatus.FINISHED_TIMEOUT)
 
     def _apply_aborts(self) -> None:
         while self._pending_aborts:
             req = self._requests.get(self._pending_aborts.pop())
-            if req is not None and not req.done:
+            if req is not None and not req.done and req.ending is None:
                 self._end_early(req, SequenceStatus.FINISHED_ABORTED)
 
     def _end_early(self, req: RequestState, status: SequenceStatus, error: str | None = None) -> None:
-        """Abort, timeout or failure: the scheduler drops the sequence and frees its blocks now."""
+        """Abort, timeout or failure: the scheduler drops the sequence and frees its blocks
+        now; tokens it already committed are published first."""
+        pending = self._pending.pop(req.seq.request_id, None)
+        if pending is not None:
+            self._publish_one(pending)
+            if req.done:
+                return
         self.scheduler.abort(req.seq.request_id)
+        self.decoder.release(req.seq)
         self._finish(req, status, error)
 
-    def _update(self, batch: Batch, out: DecoderOutput, step_time: float) -> None:
+    def _commit(self, batch: Batch, out: DecoderOutput, step_time: float) -> None:
+        """What the next schedule depends on: each sequence's computed tokens, its new tokens,
+        whether it stops (a stop string needs the text: those requests detokenise here), and
+        for a finished one its blocks back. The rest waits in ``_pending`` for :meth:`_publish`."""
         self.scheduler.observe(batch, step_time)  # before the results move num_computed_tokens
         now = time.monotonic()
         generated = prefill_tokens = decode_seqs = 0
@@ -242,20 +268,25 @@ class AsyncEngine:
             for tok in res.token_ids:
                 seq.append_token(tok)
                 accepted.append(tok)
-                status = req.check_stop(tok, self.max_model_len)
+                status = req.check_stop(tok, self.max_model_len, detokenize=req.detok.needs_text)
                 if status is not None:
                     break
             # A stop inside the accepted drafts appends fewer tokens than were computed: KV
             # exists only for tokens the sequence has (a prefix cache registers up to here).
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
-            seq.new_logprobs = res.logprobs[:len(accepted)] if res.logprobs else None
             req.num_drafted += res.num_drafted
             req.num_accepted += res.num_accepted
             generated += len(accepted)
-            req.timer.on_tokens(now, len(accepted))
-            req.emit(accepted, final=status is not None)
+            earlier = self._pending.pop(seq.request_id, None)
+            if earlier is not None:  # (the loop publishes before every commit: kept in order regardless)
+                self._publish_one(earlier)
+            self._pending[seq.request_id] = _Pending(req, accepted, res.logprobs[:len(accepted)] if res.logprobs
+                                                     else None, status)
             if status is not None:
-                self._finish(req, status)
+                req.ending = status
+                if status in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH):
+                    self.scheduler.finish(seq)
+                self.decoder.release(seq)
         c = self.counters
         c.steps += 1
         c.generated_tokens += generated
@@ -271,11 +302,32 @@ class AsyncEngine:
                 c.preemptions, cache_stats.usage, cache_stats.num_free_blocks, cache_stats.num_blocks,
                 cache_stats.hit_rate))
 
+    def _publish(self) -> None:
+        """Everything committed and not yet published reaches its stream: text, ids,
+        logprobs, token times; a finished request's Finished."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        for item in pending.values():
+            self._publish_one(item)
+
+    def _publish_one(self, item: _Pending) -> None:
+        req = item.req
+        if req.done:
+            return
+        if not req.detok.needs_text:  # its text was left for now: nothing waited on it
+            # (a stop token id ends the text before it, as check_stop does)
+            for tok in item.token_ids[:len(item.token_ids) - (item.status is SequenceStatus.FINISHED_STOPPED)]:
+                req.detok.add(tok)
+        req.timer.on_tokens(time.monotonic(), len(item.token_ids))
+        req.seq.new_logprobs = item.logprobs
+        req.emit(item.token_ids, final=item.status is not None)
+        if item.status is not None:
+            self._finish(req, item.status)
+
     def _finish(self, req: RequestState, status: SequenceStatus, error: str | None = None) -> None:
+        """The one Finished; the sequence's blocks are back already (_commit, _end_early)."""
         seq = req.seq
-        if status in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH):
-            self.scheduler.finish(seq)  # aborts, errors and timeouts went through scheduler.abort
-        self.decoder.release(seq)
         final = req.finish(status, error)
         self.scheduler.on_finished(seq, final)
         del self._requests[seq.request_id]
@@ -317,6 +369,16 @@ class AsyncEngine:
     def close(self) -> None:
         self._executor.shutdown(wait=True)
         self._tokenize_executor.shutdown(wait=True)
+
+
+@dataclass(slots=True)
+class _Pending:
+    """One request's committed, unpublished part of a step."""
+
+    req: RequestState
+    token_ids: list[int]
+    logprobs: list | None
+    status: SequenceStatus | None
 
 
 def _r(x: float | None) -> float | None:

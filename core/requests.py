@@ -21,13 +21,16 @@ class RequestState:
     done: bool = False
     num_drafted: int = 0  # draft tokens verified for this request (speculative decoders)
     num_accepted: int = 0  # of which accepted
+    ending: SequenceStatus | None = None  # its end is committed; the Finished is on its way
 
-    def check_stop(self, tok: int, max_model_len: int) -> SequenceStatus | None:
-        """After appending ``tok``: does the sequence end here, and why?"""
+    def check_stop(self, tok: int, max_model_len: int, detokenize: bool = True) -> SequenceStatus | None:
+        """After appending ``tok``: does the sequence end here, and why? ``detokenize=False``
+        leaves the text for later (the caller then adds ``tok`` to the detokenizer itself):
+        only stop strings need it now."""
         seq, p = self.seq, self.seq.params
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in seq.eos_token_ids):
             return SequenceStatus.FINISHED_STOPPED
-        if self.detok.add(tok):
+        if detokenize and self.detok.add(tok):
             return SequenceStatus.FINISHED_STOPPED
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= max_model_len:
             return SequenceStatus.FINISHED_LENGTH

@@ -28,6 +28,7 @@ ENGINE_FLAGS = {
     "max_num_seqs": "scheduler.max_num_seqs",
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "chunked_prefill": "scheduler.enable_chunked_prefill",
+    "overlap": "overlap",
 }
 
 
@@ -52,6 +53,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int)
     g.add_argument("--max-num-batched-tokens", type=int)
     g.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="publish each step's output while the next step runs (default on)")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any config key, e.g. --set scheduler.max_num_seqs=8 (TOML value)")
 
