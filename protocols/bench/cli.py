@@ -108,6 +108,15 @@ def add_bench_parser(sub) -> None:
     add_engine_args(so)
     so.set_defaults(func=cmd_slo)
 
+    cl = bsub.add_parser("claims", help="the seed's claims measured here: a row each, with a verdict and its command")
+    cl.add_argument("--quick", action="store_true", help="much smaller sizes (a few minutes; for tests)")
+    cl.add_argument("--only", metavar="NAMES",
+                    help="comma list of measurements: weights, kv, paged, batching, prefix, quant, spec, ttft")
+    cl.add_argument("--json", metavar="FILE", help="the raw figures, with every sub-command and its report")
+    cl.add_argument("--readme", metavar="FILE",
+                    help="rewrite the section between <!-- claims:begin --> and <!-- claims:end --> of FILE")
+    add_engine_args(cl)  # forwarded to every command a row runs (they win over the row's own flags)
+    cl.set_defaults(func=cmd_claims)
 
 
 def _add_serve_bench(bsub) -> None:
@@ -172,6 +181,12 @@ def cmd_peers(args: argparse.Namespace) -> int:
 def cmd_slo(args: argparse.Namespace) -> int:
     _report(args, "slo", "run_slo", "format_slo", plot="plot_slo")
     return 0
+
+
+def cmd_claims(args: argparse.Namespace) -> int:
+    from tokenloom.protocols.bench.claims import cmd_claims as run
+
+    return run(args)
 
 
 def cmd_offline(args: argparse.Namespace) -> int:
