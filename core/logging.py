@@ -22,6 +22,8 @@ def configure_logging(level: str = "WARNING", fmt: str | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # sys.stderr looked up per logger, not captured now: a later redirect (or a test's
+        # capture, closed after it) must not leave every log call writing to a closed file
+        logger_factory=lambda *args: structlog.PrintLogger(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
