@@ -35,6 +35,27 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _load_kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, pos, valid, kvh, d, d_mask, stride_kh, stride_kb,
+                  stride_kt, stride_vh, stride_vb, stride_vt, stride_sh, stride_sb, stride_st,
+                  BLOCK_SIZE: tl.constexpr, KV_QUANT: tl.constexpr):
+    """One tile of a sequence's K and V (token positions ``pos``, float32, dequantised when
+    the pool is 8-bit), read from the blocks its table names: the decode and prefill
+    kernels' shared load."""
+    block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    slot = pos % BLOCK_SIZE
+    kv_mask = valid[:, None] & d_mask[None, :]
+    k = tl.load(k_ptr + kvh * stride_kh + block[:, None] * stride_kb + slot[:, None] * stride_kt + d[None, :],
+                mask=kv_mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + kvh * stride_vh + block[:, None] * stride_vb + slot[:, None] * stride_vt + d[None, :],
+                mask=kv_mask, other=0.0).to(tl.float32)
+    if KV_QUANT:
+        s_off = kvh * stride_sh + block * stride_sb + slot * stride_st
+        k = k * tl.load(ks_ptr + s_off, mask=valid, other=0.0).to(tl.float32)[:, None]
+        v = v * tl.load(vs_ptr + s_off, mask=valid, other=0.0).to(tl.float32)[:, None]
+    return k, v
+
+
+@triton.jit
 def _paged_decode_attention_kernel(
     out_ptr,  # [B, H, D] (SPLIT false) or float32 partials [B, H, S, D]
     m_ptr, l_ptr,  # float32 [B, H, S]: each partition's running max (log2 units) and sum (SPLIT only)
@@ -79,17 +100,9 @@ def _paged_decode_attention_kernel(
     for tok in range(start, end, BLOCK_N):
         pos = tok + n
         valid = pos < end
-        block = tl.load(block_tables_ptr + seq * stride_btb + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + kvh * stride_kh + block[:, None] * stride_kb + slot[:, None] * stride_kt + d[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + kvh * stride_vh + block[:, None] * stride_vb + slot[:, None] * stride_vt + d[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)
-        if KV_QUANT:
-            s_off = kvh * stride_sh + block * stride_sb + slot * stride_st
-            k = k * tl.load(ks_ptr + s_off, mask=valid, other=0.0).to(tl.float32)[:, None]
-            v = v * tl.load(vs_ptr + s_off, mask=valid, other=0.0).to(tl.float32)[:, None]
+        k, v = _load_kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, block_tables_ptr + seq * stride_btb, pos, valid, kvh, d,
+                             d_mask, stride_kh, stride_kb, stride_kt, stride_vh, stride_vb, stride_vt, stride_sh,
+                             stride_sb, stride_st, BLOCK_SIZE, KV_QUANT)
         s = tl.dot(q, tl.trans(k.to(DOT)), input_precision="ieee") * qk_scale  # [GROUP_PAD, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))

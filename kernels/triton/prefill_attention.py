@@ -26,7 +26,7 @@ from ._common import (
     dot_dtype,
     next_pow2,
 )
-from .decode_attention import LOG2E, _pages
+from .decode_attention import LOG2E, _load_kv_tile, _pages
 
 
 @triton.jit
@@ -72,17 +72,9 @@ def _paged_prefill_attention_kernel(
     for tok in range(0, kv_end, BLOCK_N):
         pos = tok + n
         valid = pos < kv_end
-        block = tl.load(block_tables_ptr + seq * stride_btb + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + kvh * stride_kh + block[:, None] * stride_kb + slot[:, None] * stride_kt + d[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + kvh * stride_vh + block[:, None] * stride_vb + slot[:, None] * stride_vt + d[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)
-        if KV_QUANT:
-            s_off = kvh * stride_sh + block * stride_sb + slot * stride_st
-            k = k * tl.load(ks_ptr + s_off, mask=valid, other=0.0).to(tl.float32)[:, None]
-            v = v * tl.load(vs_ptr + s_off, mask=valid, other=0.0).to(tl.float32)[:, None]
+        k, v = _load_kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, block_tables_ptr + seq * stride_btb, pos, valid, kvh, d,
+                             d_mask, stride_kh, stride_kb, stride_kt, stride_vh, stride_vb, stride_vt, stride_sh,
+                             stride_sb, stride_st, BLOCK_SIZE, KV_QUANT)
         s = tl.dot(q, tl.trans(k.to(DOT)), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
         causal = pos[None, :] <= offset + rows[:, None]
         s = tl.where(causal & valid[None, :], s, float("-inf"))
