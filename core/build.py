@@ -11,8 +11,20 @@ import torch
 
 from tokenloom.core import env
 from tokenloom.core.config import EngineConfig, build_config, load_toml
+from tokenloom.core.errors import ConfigError
+from tokenloom.core.executor import (
+    MultiprocExecutor,
+    UniprocExecutor,
+    init_group,
+    rank_device,
+    report_load,
+    serve_rank,
+    start_workers,
+    torchrun_env,
+)
 from tokenloom.core.interfaces import DecoderContext
 from tokenloom.core.loader.resolve import resolve_model_path
+from tokenloom.core.parallel import TensorParallel
 from tokenloom.core.plugins import PluginManager
 from tokenloom.core.runner import ModelRunner, load_checkpoint, pick_device, pick_dtype
 
@@ -32,10 +44,11 @@ class EngineParts:
     model_config: Any
     model_name: str
     max_model_len: int
-    runner: ModelRunner
+    runner: ModelRunner  # rank 0's
     cache: Any
     scheduler: Any
     decoder: Any
+    executor: Any  # UniprocExecutor or MultiprocExecutor (core/executor.py)
 
 
 @dataclass(slots=True)
@@ -81,38 +94,114 @@ def load_second_model(config: EngineConfig, pm: PluginManager, backend, device, 
     return SecondModel(runner, cache, ckpt.tokenizer, ckpt.name)
 
 
+@dataclass(slots=True)
+class LoadedRunner:
+    runner: ModelRunner
+    tokenizer: Any
+    model_config: Any  # the whole model's (the runner's cfg is this rank's share)
+    name: str
+    format: str
+    quantization: str
+    max_model_len: int
+
+
+def build_runner(config: EngineConfig, pm: PluginManager, tp: TensorParallel, device, progress=None) -> LoadedRunner:
+    """Load the checkpoint and build this rank's runner (its share of every matmul); every
+    rank of a tensor-parallel group calls this with its own ``tp``. No KV pool yet."""
+    e = config.engine
+    dtype = pick_dtype(e.dtype, device)
+    backend_entry = pm.get("backend", config.backend.name)
+    formats = {name: entry.factory for name, entry in pm.entries("model_format").items()}
+    ckpt = load_checkpoint(resolve_model_path(e.model), formats, dtype, progress)
+    mcfg, tokenizer, name, fmt = ckpt.config, ckpt.tokenizer, ckpt.name, ckpt.format
+    max_model_len = min(e.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+    backend = backend_entry.factory(config.backend.options, device)
+    # The quantisation method: [quantizer] if given, else what the checkpoint says it is.
+    method = config.quantizer.name if config.quantizer is not None else (ckpt.quant_method or "none")
+    quantizer = pm.get("quantizer", method).factory(config.quantizer.options if config.quantizer else None)
+    runner = ModelRunner(ckpt, backend=backend, quantizer=quantizer, dtype=dtype, device=device,
+                         block_size=e.block_size, max_model_len=max_model_len, seed=e.seed, tp=tp)
+    return LoadedRunner(runner, tokenizer, mcfg, name, fmt, method, max_model_len)
+
+
+def _start_executor(config: EngineConfig, pm: PluginManager, device, threads: int | None, progress):
+    """One rank (uniproc), ranks started here (multiproc), or this process as rank 0 of a
+    group torchrun started. Under torchrun every other rank serves rank 0 from here and
+    exits when rank 0 stops: it never becomes an engine."""
+    e = config.engine
+    launched = torchrun_env()
+    world = launched[1] if launched is not None and launched[1] > 1 else e.tensor_parallel_size
+    if launched is not None and e.tensor_parallel_size not in (1, world):
+        raise ConfigError(f"tensor_parallel_size is {e.tensor_parallel_size} but torchrun started {world} processes")
+    if world == 1:
+        loaded = build_runner(config, pm, TensorParallel(), device, progress)
+        return loaded, UniprocExecutor(loaded.runner), TensorParallel()
+    per_rank = max(1, (threads or torch.get_num_threads()) // (1 if launched else world))
+    torch.set_num_threads(per_rank)
+    if launched is not None:
+        rank, workers, init_method = launched[0], [], "env://"
+        if rank > 0:
+            serve_rank(rank, world, init_method, config, e.distributed_timeout_s, per_rank)
+            raise SystemExit(0)
+    else:
+        init_method, workers = start_workers(world, config, e.distributed_timeout_s, per_rank)
+    device = rank_device(device, 0)
+    try:
+        groups = init_group(0, world, init_method, e.distributed_timeout_s, device)
+    except Exception as exc:
+        for p in workers:
+            p.kill()
+        gone = [f"rank {r} exited with code {p.wait()}" for r, p in enumerate(workers, start=1) if p.poll() is not None]
+        raise ConfigError(f"tensor parallelism: the {world} ranks did not meet within {e.distributed_timeout_s:g} s "
+                          f"({'; '.join(gone) or type(exc).__name__}): {exc}") from exc
+    tp = TensorParallel(0, world, groups.model)
+    loaded, status = None, "ok"
+    try:
+        loaded = build_runner(config, pm, tp, device, progress)
+    except Exception as exc:  # noqa: BLE001 - the other ranks hear of it, then it is raised
+        status, error = f"rank 0: {type(exc).__name__}: {exc}", exc
+    statuses = report_load(status, groups.startup)
+    failed = [s for s in statuses if s != "ok"]
+    if failed:  # every rank heard it and leaves; so does this one
+        MultiprocExecutor(None, tp, groups.commands, workers, e.distributed_timeout_s, failed=failed[0]).close()
+        if loaded is None:
+            raise error
+        raise ConfigError(f"tensor parallelism: a rank could not load the model: {failed[0]}")
+    log.info("tensor_parallel_started", world_size=world, init_method=init_method, threads_per_rank=per_rank)
+    return loaded, MultiprocExecutor(loaded.runner, tp, groups.commands, workers, e.distributed_timeout_s), tp
+
+
 def build_engine_parts(config: EngineConfig, pm: PluginManager, progress=None) -> EngineParts:
     e = config.engine
     threads = e.num_threads or env.num_threads()
     if threads:
         torch.set_num_threads(threads)
-    device = pick_device(e.device)
-    dtype = pick_dtype(e.dtype, device)
-    backend_entry = pm.get("backend", config.backend.name)
-    path = resolve_model_path(e.model)
-    formats = {name: entry.factory for name, entry in pm.entries("model_format").items()}
-    ckpt = load_checkpoint(path, formats, dtype, progress)
-    mcfg = ckpt.config
-    max_model_len = min(e.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-    backend = backend_entry.factory(config.backend.options, device)
-    tokenizer, name = ckpt.tokenizer, ckpt.name
-    # The quantisation method: [quantizer] if given, else what the checkpoint says it is.
-    method = config.quantizer.name if config.quantizer is not None else (ckpt.quant_method or "none")
-    quantizer = pm.get("quantizer", method).factory(config.quantizer.options if config.quantizer else None)
-    runner = ModelRunner(ckpt, backend=backend, quantizer=quantizer, dtype=dtype, device=device,
-                         block_size=e.block_size, max_model_len=max_model_len, seed=e.seed)
-    # Last, the KV pool: sized from what is left once the weights are in place.
-    num_blocks = e.num_kv_blocks or ModelRunner.num_blocks_for(mcfg, dtype, e.block_size, e.kv_cache_memory_mb,
-                                                               e.kv_cache_dtype)
-    runner.allocate_kv_cache(num_blocks, e.kv_cache_dtype)
+    loaded, executor, tp = _start_executor(config, pm, pick_device(e.device), threads, progress)
+    try:
+        return _build_rest(config, pm, loaded, executor, tp)
+    except BaseException:
+        executor.close()  # the other ranks stop too
+        raise
+
+
+def _build_rest(config: EngineConfig, pm: PluginManager, loaded: LoadedRunner, executor, tp) -> EngineParts:
+    e = config.engine
+    runner, mcfg, name = loaded.runner, loaded.model_config, loaded.name
+    dtype, device, backend = runner.dtype, runner.device, runner.backend
+    # Last, the KV pool: sized from what is left once the weights are in place (for the rank
+    # with the most KV heads: every rank holds the same number of blocks).
+    num_blocks = e.num_kv_blocks or ModelRunner.num_blocks_for(tp.largest_config(mcfg), dtype, e.block_size,
+                                                               e.kv_cache_memory_mb, e.kv_cache_dtype)
+    executor.allocate_kv_cache(num_blocks, e.kv_cache_dtype)
     cache = pm.get("cache_manager", config.cache_manager.name).factory(
         config.cache_manager.options, num_blocks, e.block_size)
     scheduler = pm.get("scheduler", config.scheduler.name).factory(config.scheduler.options, cache, config)
     context = DecoderContext(config=config, plugin_manager=pm, model_config=mcfg, cache=cache, runner=runner,
                              load_model=lambda **kw: load_second_model(config, pm, backend, device, **kw),
-                             model_name=name)
+                             model_name=name, executor=executor)
     decoder = pm.get("decoder", config.decoder.name).factory(config.decoder.options, context)
-    log.info("engine_built", model=name, format=ckpt.format, quantization=method, device=str(device), dtype=str(dtype),
-             num_kv_blocks=num_blocks, block_size=e.block_size, max_model_len=max_model_len,
+    log.info("engine_built", model=name, format=loaded.format, quantization=loaded.quantization, device=str(device),
+             dtype=str(dtype), num_kv_blocks=num_blocks, block_size=e.block_size, max_model_len=loaded.max_model_len,
+             tensor_parallel_size=executor.world_size,
              **{role: strategy for role, strategy in config.selection().items()})
-    return EngineParts(tokenizer, mcfg, name, max_model_len, runner, cache, scheduler, decoder)
+    return EngineParts(loaded.tokenizer, mcfg, name, loaded.max_model_len, runner, cache, scheduler, decoder, executor)

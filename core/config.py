@@ -59,6 +59,11 @@ class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     restart_backoff_s: float = 0.5  # first wait before restarting the step loop; doubles per failure
     # publish a step's outputs (detokenise, stream, time, log) while the next step runs
     overlap: bool = True
+    # Tensor parallelism (core/parallel.py, core/executor.py): ranks the model is split over;
+    # under torchrun, the processes torchrun started. A hung rank fails the engine after
+    # distributed_timeout_s.
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 30.0
 
 
 @dataclass(slots=True)
@@ -237,6 +242,10 @@ def _check_engine(e: EngineOptions) -> None:
                 "restart_backoff_s"):
         if getattr(e, key) < 0:
             raise ConfigError(f"{key} must be >= 0, got {getattr(e, key)}")
+    if e.tensor_parallel_size < 1:
+        raise ConfigError(f"tensor_parallel_size must be >= 1, got {e.tensor_parallel_size}")
+    if e.distributed_timeout_s <= 0:
+        raise ConfigError(f"distributed_timeout_s must be > 0, got {e.distributed_timeout_s}")
 
 
 def parse_override(item: str) -> dict[str, Any]:

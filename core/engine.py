@@ -18,6 +18,7 @@ from tokenloom.core.build import EngineParts, build_engine_parts
 from tokenloom.core.config import EngineConfig
 from tokenloom.core.detokenizer import IncrementalDetokenizer
 from tokenloom.core.errors import ClientError, RequestTooLong
+from tokenloom.core.executor import ExecutorFailed
 from tokenloom.core.health import EngineHealth, HealthReport
 from tokenloom.core.inputs import encode_prompt, refuse_by_size
 from tokenloom.core.interfaces import DecoderOutput
@@ -47,6 +48,7 @@ class AsyncEngine:
         self.tokenizer, self.model_config = parts.tokenizer, parts.model_config
         self.model_name, self.max_model_len = parts.model_name, parts.max_model_len
         self.runner, self.cache, self.scheduler, self.decoder = parts.runner, parts.cache, parts.scheduler, parts.decoder
+        self.executor = parts.executor  # how steps reach the runner(s): one, or a tensor-parallel group
         self.counters = EngineCounters()
         self._decoder_names = sorted(self.pm.entries("decoder"))
         self._requests: dict[str, RequestState] = {}
@@ -205,13 +207,15 @@ class AsyncEngine:
     def _on_step_failure(self, exc: Exception) -> None:
         """End every request with an error, give their blocks back, then let the restart
         policy (core/health.py) decide when the loop may run again."""
-        self.health.on_failure(exc, time.monotonic())
+        fatal = isinstance(exc, ExecutorFailed)  # a rank is gone: no restart can bring it back
+        self.health.on_failure(exc, time.monotonic(), fatal=fatal)
         log.exception("engine_step_failed", error=str(exc), failures=self.health.failures,
                       consecutive=self.health.consecutive, dead=self.health.dead)
         self._pending_aborts.clear()
         self._publish()  # what earlier steps committed reaches its streams first
+        error = f"internal error: {exc}" if fatal else f"internal error: {type(exc).__name__}"
         for req in list(self._requests.values()):
-            self._end_early(req, SequenceStatus.FINISHED_ERROR, error=f"internal error: {type(exc).__name__}")
+            self._end_early(req, SequenceStatus.FINISHED_ERROR, error=error)
         if self.health.dead:
             self.dead_event.set()
 
@@ -367,6 +371,7 @@ class AsyncEngine:
         return self._executor.submit(fn, *args, **kwargs).result()
 
     def close(self) -> None:
+        self._executor.submit(self.executor.close).result()  # other ranks stop (tensor parallelism)
         self._executor.shutdown(wait=True)
         self._tokenize_executor.shutdown(wait=True)
 

@@ -153,12 +153,12 @@ def perplexity(engine_or_llm, text_or_ids: str | Seq[int], *, window: int = 512,
         raise ValueError(f"perplexity needs at least 2 tokens, got {len(ids)}")
     longest = max(end - begin for begin, end, _ in spans)
 
-    cache, runner = engine.cache, engine.runner
+    cache, runner, block_size = engine.cache, engine.executor, engine.runner.block_size
     # A scratch sequence owns the window's blocks; num_computed_tokens stays 0, so no prefix
     # cache ever registers them, and freeing returns them as plain free blocks.
     scratch = Sequence("perplexity", list(ids[:longest]), SamplingParams(max_tokens=1))
     if not cache.allocate(scratch, longest):
-        raise RuntimeError(f"a {longest}-token window needs {-(-longest // runner.block_size)} free KV blocks; "
+        raise RuntimeError(f"a {longest}-token window needs {-(-longest // block_size)} free KV blocks; "
                            f"{cache.num_free_blocks} are free")
     try:
         table = list(cache.block_table(scratch))

@@ -38,11 +38,12 @@ class EngineHealth:
         self.retry_at = 0.0  # monotonic time before which the loop stays down
         self.last_error: str | None = None
 
-    def on_failure(self, exc: BaseException, now: float) -> None:
+    def on_failure(self, exc: BaseException, now: float, fatal: bool = False) -> None:
+        """A failed step; ``fatal``: one no restart can mend (a tensor-parallel rank is gone)."""
         self.failures += 1
         self.consecutive += 1
         self.last_error = f"{type(exc).__name__}: {exc}"[:200]
-        if self.consecutive > self.max_restarts:
+        if fatal or self.consecutive > self.max_restarts:
             self.dead = True
         else:
             self.retry_at = now + min(self.backoff_s * 2 ** (self.consecutive - 1), self.max_backoff_s)
@@ -52,8 +53,9 @@ class EngineHealth:
 
     def report(self, now: float) -> HealthReport:
         if self.dead:
-            return HealthReport("dead", f"step failed {self.consecutive} times in a row; last: {self.last_error}",
-                                None, self.failures)
+            why = (f"step failed {self.consecutive} times in a row; last: " if self.consecutive > self.max_restarts
+                   else "step failed and cannot be retried: ")
+            return HealthReport("dead", why + str(self.last_error), None, self.failures)
         if now < self.retry_at:
             return HealthReport("restarting", f"step failed: {self.last_error}",
                                 max(1, round((self.retry_at - now) * 1e3)), self.failures)

@@ -188,12 +188,16 @@ class DecoderContext:
     plugin_manager: Any
     model_config: Any
     cache: CacheManager
-    runner: Any  # the ModelRunner: forward, sampler, model
+    runner: Any  # rank 0's ModelRunner: sampler, model (steps go through ``executor``)
     # load_model(model=None, quantizer=None, dtype="auto", num_kv_blocks=512, num_layers=None)
     # -> core.build.SecondModel: a second checkpoint (a draft) with its own KV pool and cache
     # manager, on the engine's device and backend. Call it on the step thread.
     load_model: Any = None
     model_name: str = ""  # the checkpoint's name (Medusa finds its heads by it)
+    # how steps reach the runner(s) (core/executor.py): forward, move_kv_slots, prefill_*;
+    # world_size > 1 under tensor parallelism, where ``runner`` holds rank 0's share only.
+    # None: the runner alone (a UniprocExecutor over it)
+    executor: Any = None
 
 
 @dataclass(slots=True)

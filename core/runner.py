@@ -10,6 +10,7 @@ import torch
 from tokenloom.core.attention import AttentionInputs, PrefillSpan, StepBuffers
 from tokenloom.core.loader import LoadedCheckpoint
 from tokenloom.core.models.llama import LlamaModel
+from tokenloom.core.parallel import TensorParallel
 from tokenloom.core.sampler import Sampler
 from tokenloom.core.sequence import Batch, Sequence, draft_depths
 
@@ -54,13 +55,16 @@ def pick_device(device: str) -> torch.device:
 
 class ModelRunner:
     def __init__(self, checkpoint: LoadedCheckpoint, *, backend, quantizer, dtype: torch.dtype,
-                 device: torch.device, block_size: int, max_model_len: int, seed: int = 0):
+                 device: torch.device, block_size: int, max_model_len: int, seed: int = 0,
+                 tp: TensorParallel | None = None):
         """Build the model on ``device`` and load it (each matmul through ``quantizer``,
-        packed by ``backend``). The KV pool comes after: :meth:`allocate_kv_cache`."""
-        self.cfg = checkpoint.config
+        packed by ``backend``; with ``tp``, this rank's share of it). The KV pool comes
+        after: :meth:`allocate_kv_cache`."""
+        self.tp = tp or TensorParallel()
+        self.cfg = self.tp.local_config(checkpoint.config)  # this rank's heads: its KV pool's shape
         self.backend, self.dtype, self.device = backend, dtype, device
         self.block_size, self.max_model_len = block_size, max_model_len
-        self.model = LlamaModel(self.cfg, dtype, backend, max_model_len).to(device)
+        self.model = LlamaModel(checkpoint.config, dtype, backend, max_model_len, self.tp).to(device)
         self.model.load_weights(checkpoint.weights, quantizer, checkpoint.quant_config)  # takes (empties) the checkpoint's tensors
         self.num_blocks = 0
         self.kv_caches: list = []
@@ -87,17 +91,13 @@ class ModelRunner:
         per_block = ModelRunner.kv_bytes_per_token(cfg, dtype, kv_cache_dtype) * block_size
         return max(1, (memory_mb << 20) // per_block)
 
-    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs, list[int], list[Sequence],
-                                              list[int]]:
-        """Flatten the batch: input ids, positions, attention inputs, and the rows whose logits
-        are wanted (``1 + len(drafts)`` consecutive rows for each sequence that samples), the
-        sequences they belong to and each one's row count."""
+    def plan(self, batch: Batch) -> tuple[StepPlan, list[Sequence], list[int]]:
+        """Flatten the batch into a :class:`StepPlan`, and say which sequences sample this
+        step and how many logit rows each gets (``1 + len(drafts)`` consecutive rows)."""
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        attn = AttentionInputs(slot_mapping=None, block_size=bs)  # type: ignore[arg-type]
-        sample_rows: list[int] = []
+        plan = StepPlan([], [], [], AttentionInputs(slot_mapping=None, block_size=bs), [], batch.copies)  # type: ignore[arg-type]
+        input_ids, positions, slots, attn, sample_rows = (plan.input_ids, plan.positions, plan.slots, plan.attn,
+                                                          plan.sample_rows)
         sample_seqs: list[Sequence] = []
         row_counts: list[int] = []
         drafts_of = batch.draft_tokens or [[]] * len(batch.seqs)
@@ -123,41 +123,84 @@ class ModelRunner:
                 sample_rows.extend(range(row + n - 1, row + n + k))
                 sample_seqs.append(seq)
                 row_counts.append(k + 1)
-        dev = self.device
-        attn.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
+        return plan, sample_seqs, row_counts
+
+    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs, list[int], list[Sequence],
+                                              list[int]]:
+        """:meth:`plan` as tensors: input ids, positions, attention inputs (with the step's
+        tensors built), the rows whose logits are wanted, their sequences and row counts."""
+        plan, seqs, counts = self.plan(batch)
+        input_ids, positions, attn = self._tensors(plan)
+        return input_ids, positions, attn, plan.sample_rows, seqs, counts
+
+    def _tensors(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs]:
+        dev, attn = self.device, plan.attn
+        attn.slot_mapping = torch.tensor(plan.slots, dtype=torch.long, device=dev)
         attn.step = self.step_buffers.build(attn)
-        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev), attn, sample_rows, sample_seqs, row_counts)
+        return (torch.tensor(plan.input_ids, dtype=torch.long, device=dev),
+                torch.tensor(plan.positions, dtype=torch.long, device=dev), attn)
 
     @torch.inference_mode()
+    def execute(self, plan: StepPlan, return_hidden: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run a plan: the logits of its sample rows (``None`` when it has none, and on every
+        rank but 0 under tensor parallelism) and, if asked, those rows' hidden states. Every
+        rank of a tensor-parallel group runs the same plan (core/executor.py)."""
+        if plan.copies:
+            self.backend.copy_blocks(self.kv_caches, plan.copies)
+        input_ids, positions, attn = self._tensors(plan)
+        hidden = self.model(input_ids, positions, self.kv_caches, self.backend.prepare(attn))
+        rows = plan.sample_rows
+        if not rows:
+            return None, None
+        picked = hidden[torch.tensor(rows, device=self.device)] if len(rows) < hidden.shape[0] else hidden
+        return self.model.compute_logits(picked), picked if return_hidden else None
+
     def forward(self, batch: Batch, *, return_hidden: bool = False) -> ForwardOutput:
         """Run the batch (scheduled and draft tokens); return the logits of each sampling
-        sequence's last scheduled token and of its drafts (see :class:`ForwardOutput`)."""
-        if batch.copies:
-            self.backend.copy_blocks(self.kv_caches, batch.copies)
-        input_ids, positions, attn, rows, seqs, counts = self.prepare(batch)
-        meta = self.backend.prepare(attn)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if not rows:
+        sequence's last scheduled token and of its drafts (see :class:`ForwardOutput`).
+        One rank only: an engine goes through its executor (core/executor.py)."""
+        plan, seqs, counts = self.plan(batch)
+        logits, hidden = self.execute(plan, return_hidden)
+        if not plan.sample_rows:
             return ForwardOutput(None, [], [], None)
-        picked = hidden[torch.tensor(rows, device=self.device)] if len(rows) < hidden.shape[0] else hidden
-        return ForwardOutput(self.model.compute_logits(picked), seqs, counts, picked if return_hidden else None)
+        return ForwardOutput(logits, seqs, counts, hidden)
+
+    def move_kv_slots(self, src: list[int], dst: list[int]) -> None:
+        self.backend.move_kv_slots(self.kv_caches, src, dst)
+
+    @staticmethod
+    def score_plan(token_ids: list[int], block_table: list[int], block_size: int, all_rows: bool) -> StepPlan:
+        """A plan that prefills one prompt (scoring, calibration, Medusa's features): every
+        row's logits (``all_rows``) or none, the hidden states kept."""
+        n, bs = len(token_ids), block_size
+        attn = AttentionInputs(slot_mapping=None, block_size=bs)  # type: ignore[arg-type]
+        attn.prefills.append(PrefillSpan(0, n, n, block_table))
+        return StepPlan(list(token_ids), list(range(n)), [block_table[p // bs] * bs + p % bs for p in range(n)], attn,
+                        list(range(n)) if all_rows else [], [])
 
     @torch.inference_mode()
     def prefill_hidden(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
         """Final hidden states (before the last norm) for every position of one prompt."""
-        seq = Sequence("score", list(token_ids), params=None)  # type: ignore[arg-type]
-        input_ids, positions, attn, *_ = self.prepare(Batch([seq], [len(token_ids)], [block_table]))
+        input_ids, positions, attn = self._tensors(self.score_plan(token_ids, block_table, self.block_size, False))
         return self.model(input_ids, positions, self.kv_caches, self.backend.prepare(attn))
 
     @torch.inference_mode()
-    def prefill_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
+    def prefill_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor | None:
         """Logits for every position of one prompt (tests and scoring)."""
-        seq = Sequence("score", list(token_ids), params=None)  # type: ignore[arg-type]
-        batch = Batch([seq], [len(token_ids)], [block_table])
-        input_ids, positions, attn, *_ = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, self.backend.prepare(attn))
-        return self.model.compute_logits(hidden)
+        return self.execute(self.score_plan(token_ids, block_table, self.block_size, True))[0]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step's inputs as plain lists: what :meth:`ModelRunner.execute` runs. Built on
+    rank 0 from the scheduler's batch; under tensor parallelism sent as is to every rank."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]  # the flat KV slot of each row
+    attn: AttentionInputs  # its slot_mapping and step tensors are filled in by each rank
+    sample_rows: list[int]  # rows whose logits are wanted
+    copies: list  # copy-on-write block copies to make first
 
 
 def load_checkpoint(path, registry_formats: dict[str, Callable], dtype: torch.dtype, progress=None) -> LoadedCheckpoint:

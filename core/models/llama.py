@@ -16,6 +16,7 @@ from torch import nn
 
 from tokenloom.core.interfaces import Quantizer
 from tokenloom.core.models.config import ModelConfig
+from tokenloom.core.parallel import TensorParallel
 from tokenloom.core.weights import (
     CheckpointTensors,
     LinearSlot,
@@ -43,9 +44,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel):
+        """``cfg``: this rank's share of the heads and the FFN (the whole model on one rank)."""
         super().__init__()
-        self.cfg, self.dtype = cfg, dtype
+        self.cfg, self.dtype, self.tp = cfg, dtype, tp
         d = cfg.hidden_size
         self.input_norm = nn.Parameter(torch.ones(d), requires_grad=False)
         self.post_norm = nn.Parameter(torch.ones(d), requires_grad=False)
@@ -73,18 +75,24 @@ class LlamaLayer(nn.Module):
             backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             attn = backend.attention(q, k, v, k_cache, v_cache, meta, scale)
         # float32 h + a bf16 matmul output adds in float32 (type promotion): no copy op
-        x, h = backend.add_rms_norm(h, self.o.apply(attn.reshape(T, cfg.q_size).to(dtype)), self.post_norm,
-                                    cfg.rms_norm_eps, dtype)
+        # o and down are row-parallel under tensor parallelism: their partial sums add up here
+        o = self.tp.all_reduce(self.o.apply(attn.reshape(T, cfg.q_size).to(dtype)))
+        x, h = backend.add_rms_norm(h, o, self.post_norm, cfg.rms_norm_eps, dtype)
         gate, up = self.gate_up.apply(x).chunk(2, dim=-1)
-        return h, self.down.apply(backend.silu_mul(gate, up))
+        return h, self.tp.all_reduce(self.down.apply(backend.silu_mul(gate, up)))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, backend, max_len: int):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, backend, max_len: int, tp: TensorParallel | None = None):
+        """``cfg``: the whole model's; with ``tp`` this rank holds its share (core/parallel.py):
+        ``embed`` and ``lm_head`` a slice of the vocabulary, each layer its heads and FFN slice."""
         super().__init__()
         self.cfg, self.dtype, self.backend = cfg, dtype, backend
-        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(LlamaLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.tp = tp = tp or TensorParallel()
+        tp.check(cfg)
+        self.embed = nn.Parameter(torch.empty(len(tp.vocab(cfg)), cfg.hidden_size, dtype=dtype), requires_grad=False)
+        local = tp.local_config(cfg)
+        self.layers = nn.ModuleList(LlamaLayer(local, dtype, tp) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size), requires_grad=False)
         self.lm_head = None  # a LinearWeight, packed at load time (tied or not)
         cos, sin = rope_cache(cfg, max_len, "cpu")
@@ -94,16 +102,17 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         """input_ids, positions: [T]; returns the final hidden states [T, hidden] (float32)."""
-        h, delta = self.embed[input_ids].float(), None  # indexing copies: the stream is ours to update
+        h, delta = self.tp.embed(self.embed, input_ids, self.cfg), None  # a copy: the stream is ours to update
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             h, delta = layer(h, delta, cos, sin, k_cache, v_cache, meta, self.backend)
         return h + delta
 
     @torch.inference_mode()
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor | None:
+        """Float32 ``[T, vocab]``; under tensor parallelism on rank 0 only (``None`` elsewhere)."""
         x = self.backend.rms_norm(h, self.norm, self.cfg.rms_norm_eps).to(self.dtype)
-        return self.lm_head.apply(x).float()
+        return self.tp.gather_logits(self.lm_head.apply(x).float(), self.cfg)
 
     @torch.inference_mode()
     def load_weights(self, weights: dict[str, Any], quantizer: Quantizer, quant_config: dict | None = None) -> None:
@@ -113,16 +122,19 @@ class LlamaModel(nn.Module):
         with a sentence naming it. The model must already be on its device."""
         cfg = self.cfg
         tensors = CheckpointTensors(weights, quant_config)
+        tp = self.tp
         embed_raw = tensors.take("model.embed_tokens.weight")
-        self.embed.copy_(_checked(dense_tensor(embed_raw), self.embed.shape, "model.embed_tokens.weight"))
+        embed = _checked(dense_tensor(embed_raw), (cfg.vocab_size, cfg.hidden_size), "model.embed_tokens.weight")
+        self.embed.copy_(embed[tp.vocab(cfg).start:tp.vocab(cfg).stop])
         self.norm.copy_(_checked(dense_tensor(tensors.take("model.norm.weight")), self.norm.shape, "model.norm.weight"))
         head_slot = LinearSlot("lm_head", ("model.embed_tokens" if cfg.tie_word_embeddings else "lm_head",),
                                (cfg.vocab_size,), cfg.hidden_size)
         if cfg.tie_word_embeddings:
             tensors.discard("lm_head.weight")
-            self.lm_head = self._pack(quantizer, head_slot, CheckpointTensors({"model.embed_tokens.weight": embed_raw}, tensors.quant_config))
+            self.lm_head = self._pack(quantizer, head_slot, CheckpointTensors({"model.embed_tokens.weight": embed_raw},
+                                                                              tensors.quant_config), "lm_head")
         else:
-            self.lm_head = self._pack(quantizer, head_slot, tensors)
+            self.lm_head = self._pack(quantizer, head_slot, tensors, "lm_head")
         q, kv, d, ffn = cfg.q_size, cfg.kv_size, cfg.hidden_size, cfg.intermediate_size
         slots = (("qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), (q, kv, kv), d),
                  ("o", ("self_attn.o_proj",), (d,), q),
@@ -134,15 +146,18 @@ class LlamaModel(nn.Module):
                 norm.copy_(_checked(dense_tensor(tensors.take(p + name + ".weight")), norm.shape, p + name + ".weight"))
             for name, parts, rows, cols in slots:
                 slot = LinearSlot(p + name, tuple(p + part for part in parts), rows, cols)
-                setattr(layer, name, self._pack(quantizer, slot, tensors))
+                setattr(layer, name, self._pack(quantizer, slot, tensors, name))
         leftovers = [n for n in tensors.names() if "rotary_emb" not in n]
         if leftovers:
             raise ValueError(f"checkpoint has tensors this model does not use: {leftovers[:5]}")
 
-    def _pack(self, quantizer: Quantizer, slot: LinearSlot, tensors: CheckpointTensors) -> LinearWeight:
+    def _pack(self, quantizer: Quantizer, slot: LinearSlot, tensors: CheckpointTensors, kind: str) -> LinearWeight:
+        """The quantizer makes the slot's whole weight; this rank keeps its share (rows or
+        columns, core/parallel.py) before the backend packs it."""
         spec = quantizer.weight_spec(slot, tensors)
         if tuple(spec.shape) != slot.shape:
             raise ValueError(f"quantizer gave {slot.name} a {tuple(spec.shape)} weight, the model needs {slot.shape}")
+        spec = self.tp.shard(kind, slot.name, spec, self.cfg, type(quantizer).__name__)
         return self.backend.pack_linear(spec_to(spec, self.embed.device), self.dtype)
 
     def weight_bytes_per_token(self) -> int:

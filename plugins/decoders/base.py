@@ -25,6 +25,7 @@ from collections import defaultdict
 
 import structlog
 
+from tokenloom.core.executor import UniprocExecutor
 from tokenloom.core.interfaces import DecoderContext, DecoderOutput, SequenceOutput
 from tokenloom.core.runner import ForwardOutput
 from tokenloom.core.sequence import Batch, Sequence
@@ -51,7 +52,8 @@ class SharedStepDecoder:
     def __init__(self, options, context: DecoderContext):
         self.options = options
         self.context = context
-        self.runner = context.runner
+        self.runner = context.runner  # rank 0's: its sampler and model (the steps go through the executor)
+        self.executor = context.executor or UniprocExecutor(context.runner)
         # Requests name decoders as the registry does: the configured one is this object.
         self._proposers: dict[str, SharedStepDecoder] = {self.name: self, context.config.decoder.name: self}
         self._counters: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(
@@ -106,7 +108,7 @@ class SharedStepDecoder:
                     src.append(table[a // bs] * bs + a % bs)
                     dst.append(table[b // bs] * bs + b % bs)
         if src:
-            self.runner.backend.move_kv_slots(self.runner.kv_caches, src, dst)
+            self.executor.move_kv_slots(src, dst)
 
     # ---- the shared step ------------------------------------------------------------
     def proposer_for(self, seq: Sequence) -> SharedStepDecoder:
@@ -133,7 +135,7 @@ class SharedStepDecoder:
     def step(self, batch: Batch) -> DecoderOutput:
         proposers = {seq: self.proposer_for(seq) for seq in batch.seqs}
         need_hidden = any(p.needs_hidden for p in proposers.values())
-        fwd = self.runner.forward(batch, return_hidden=need_hidden)
+        fwd = self.executor.forward(batch, return_hidden=need_hidden)
         if fwd.logits is None:
             return {}
         index = {seq: i for i, seq in enumerate(batch.seqs)}

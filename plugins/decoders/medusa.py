@@ -193,6 +193,9 @@ class MedusaDecoder(SharedStepDecoder):
     def __init__(self, options: MedusaOptions | None, context: DecoderContext):
         super().__init__(options, context)
         o = options or MedusaOptions()
+        if self.executor.world_size > 1:
+            raise ConfigError(f"decoder 'medusa' reads the whole output head and embedding on one rank; it does not run "
+                              f"with tensor_parallel_size {self.executor.world_size}")
         model = self.runner.model
         path = Path(o.heads) if o.heads else default_heads_path(context.model_name)
         if not path.exists():

@@ -117,7 +117,7 @@ def collect_features(llm, conversations: list[list[int]], prompt_lens: list[int]
         if not engine.cache.allocate(seq, len(ids)):
             raise ValueError(f"a {len(ids)}-token conversation does not fit the KV cache")
         try:
-            h = engine.call_in_step_thread(engine.runner.prefill_hidden, ids, engine.cache.block_table(seq))
+            h = engine.call_in_step_thread(engine.executor.prefill_hidden, ids, engine.cache.block_table(seq))
             x = engine.call_in_step_thread(normalise, model, h)
         finally:
             engine.cache.free(seq)

@@ -132,7 +132,7 @@ def prefill(llm, ids: list[int]) -> torch.Tensor:
     if not engine.cache.allocate(seq, len(ids)):
         raise ValueError(f"{len(ids)} tokens do not fit the KV cache; use shorter chunks or more blocks")
     try:
-        return engine.call_in_step_thread(engine.runner.prefill_logits, ids, engine.cache.block_table(seq))
+        return engine.call_in_step_thread(engine.executor.prefill_logits, ids, engine.cache.block_table(seq))
     finally:
         engine.cache.free(seq)
 

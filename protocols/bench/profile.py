@@ -29,7 +29,7 @@ def profile_decode(llm, batch_size: int, prompt_len: int, steps: int = 20, top: 
     def run() -> dict:
         from torch.profiler import ProfilerActivity, profile
 
-        engine.runner.forward(Batch(seqs, [prompt_len] * batch_size, [cache.block_table(s) for s in seqs]))
+        engine.executor.forward(Batch(seqs, [prompt_len] * batch_size, [cache.block_table(s) for s in seqs]))
         for s in seqs:
             s.num_computed_tokens = prompt_len
             s.append_token(7)

@@ -1,0 +1,288 @@
+"""Executors: how a step reaches the model runner(s), between the decoder and the runner.
+
+- ``uniproc``: today's one runner, called on the engine's step thread.
+- ``multiproc``: one process per tensor-parallel rank (core/parallel.py). Rank 0 is the
+  engine's own process: it schedules, turns each batch into a :class:`StepPlan` and
+  broadcasts it; every rank runs the plan (the model's all-reduces keep them in step) and
+  rank 0 gets the gathered logits, samples and verifies. Ranks 1..N-1 are started with
+  ``torch.multiprocessing`` and rendezvous over TCP on this machine, or, under
+  ``torchrun``, are the other processes torchrun started (on this machine or others) with
+  the rendezvous torchrun provides: the same code path after ``init_process_group``.
+
+Commands go out on a group of their own (:class:`Groups`), on which the other ranks wait
+as long as the engine idles; the model's collectives run on a third group. Rank 0's
+waits on both are bounded by ``engine.distributed_timeout_s``: that bounds how long a hung
+rank can stall a step. Any
+failure in a tensor-parallel step leaves the ranks out of step, so it is final: the
+executor raises :class:`ExecutorFailed`, the engine ends every request with an error and
+reports itself dead (core/health.py), and a supervisor restarts the server. A rank that
+exits is noticed at once (its socket closes, and a watcher thread names its exit code); a
+rank that hangs, within the timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import structlog
+import torch
+
+from tokenloom.core.parallel import TensorParallel
+from tokenloom.core.runner import ForwardOutput, ModelRunner
+from tokenloom.core.sequence import Batch
+
+log = structlog.get_logger("tokenloom.executor")
+
+#: commands wait on their own group: an idle engine sends nothing for as long as it likes
+COMMAND_TIMEOUT = timedelta(days=365)
+
+
+class ExecutorFailed(RuntimeError):
+    """A rank died, hung past the timeout or failed a step: the group cannot go on."""
+
+
+class UniprocExecutor:
+    """The runner in this process; every call goes straight to it."""
+
+    name = "uniproc"
+    world_size = 1
+
+    def __init__(self, runner: ModelRunner):
+        self.driver = runner
+
+    def forward(self, batch: Batch, *, return_hidden: bool = False) -> ForwardOutput:
+        return self.driver.forward(batch, return_hidden=return_hidden)
+
+    def move_kv_slots(self, src: list[int], dst: list[int]) -> None:
+        self.driver.move_kv_slots(src, dst)
+
+    def allocate_kv_cache(self, num_blocks: int, kv_cache_dtype: str = "auto") -> None:
+        self.driver.allocate_kv_cache(num_blocks, kv_cache_dtype)
+
+    def prefill_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
+        return self.driver.prefill_logits(token_ids, block_table)
+
+    def prefill_hidden(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
+        return self.driver.prefill_hidden(token_ids, block_table)
+
+    def describe(self) -> dict[str, Any]:
+        return {"executor": self.name, "tensor_parallel_size": 1}
+
+    def close(self) -> None:
+        pass
+
+
+class MultiprocExecutor(UniprocExecutor):
+    """Rank 0's side of a tensor-parallel group. ``workers``: the processes this engine
+    started (empty under torchrun, which owns them)."""
+
+    name = "multiproc"
+
+    def __init__(self, runner: ModelRunner | None, tp: TensorParallel, command_group, workers: list, timeout_s: float,
+                 failed: str | None = None):
+        super().__init__(runner)
+        self.tp, self.command_group, self.workers, self.timeout_s = tp, command_group, workers, timeout_s
+        self.world_size = tp.world_size
+        self.failed = failed  # why the group cannot go on
+        self._closing = False
+        if workers and failed is None:
+            self._watch()
+
+    def _watch(self) -> None:
+        for rank, proc in enumerate(self.workers, start=1):
+            threading.Thread(target=self._watch_one, args=(rank, proc), name=f"tokenloom-rank{rank}-watch",
+                             daemon=True).start()
+
+    def _watch_one(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if not self._closing and self.failed is None:
+            self.failed = f"tensor-parallel rank {rank} exited (code {code})"
+            log.error("rank_exited", rank=rank, exitcode=code)
+
+    def _run(self, op: str, *args):
+        """Send ``op`` to every other rank, then run it here; any failure is final."""
+        if self.failed is not None:
+            raise ExecutorFailed(self.failed)
+        import torch.distributed as dist
+
+        try:
+            dist.broadcast_object_list([(op, args)], src=0, group=self.command_group)
+            return getattr(self.driver, op)(*args)
+        except Exception as exc:
+            self.failed = self.failed or f"tensor-parallel step failed on rank 0: {type(exc).__name__}: {exc}"[:300]
+            raise ExecutorFailed(self.failed) from exc
+
+    def forward(self, batch: Batch, *, return_hidden: bool = False) -> ForwardOutput:
+        plan, seqs, counts = self.driver.plan(batch)
+        logits, hidden = self._run("execute", plan, return_hidden)
+        if not plan.sample_rows:
+            return ForwardOutput(None, [], [], None)
+        return ForwardOutput(logits, seqs, counts, hidden)
+
+    def move_kv_slots(self, src: list[int], dst: list[int]) -> None:
+        self._run("move_kv_slots", src, dst)
+
+    def allocate_kv_cache(self, num_blocks: int, kv_cache_dtype: str = "auto") -> None:
+        self._run("allocate_kv_cache", num_blocks, kv_cache_dtype)
+
+    def prefill_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
+        return self._run("prefill_logits", token_ids, block_table)
+
+    def prefill_hidden(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
+        return self._run("prefill_hidden", token_ids, block_table)
+
+    def describe(self) -> dict[str, Any]:
+        return {"executor": self.name, "tensor_parallel_size": self.world_size, "failed": self.failed}
+
+    def close(self) -> None:
+        """Stop every rank (they leave their loop), then reap what this engine started."""
+        import torch.distributed as dist
+
+        self._closing = True
+        if self.failed is None:
+            try:
+                dist.broadcast_object_list([("stop", ())], src=0, group=self.command_group)
+            except Exception as exc:  # noqa: BLE001 - closing anyway
+                log.warning("rank_stop_failed", error=str(exc))
+        for proc in self.workers:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - already torn down
+            pass
+
+
+# ---- starting a group ------------------------------------------------------------------
+def torchrun_env() -> tuple[int, int] | None:
+    """(rank, world size) when this process was started by torchrun, else None."""
+    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "MASTER_ADDR" in os.environ):
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True, slots=True)
+class Groups:
+    """The process groups of a tensor-parallel engine, made in this order on every rank.
+    A group's timeout is each process's own: rank 0 waits at most ``timeout_s`` to hand out
+    a command, while the other ranks wait for the next one as long as the engine idles."""
+
+    startup: Any  # loading reports: a large model may load for longer than a step's timeout
+    commands: Any  # rank 0 -> the others: what to run next (gloo)
+    model: Any  # the model's collectives (gloo on CPUs, NCCL on GPUs), bounded by timeout_s
+
+
+def init_group(rank: int, world: int, init_method: str, timeout_s: float, device: torch.device) -> Groups:
+    """Join the default process group and make :class:`Groups` (explicit timeouts on each:
+    a process that joined an earlier default group keeps that group's)."""
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    bounded = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=bounded)
+    startup = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+    commands = dist.new_group(backend="gloo", timeout=bounded if rank == 0 else COMMAND_TIMEOUT)
+    return Groups(startup, commands, dist.new_group(backend=backend, timeout=bounded))
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    return torch.device("cuda", rank % torch.cuda.device_count()) if device.type == "cuda" else device
+
+
+def report_load(ok: str, group) -> list[str]:
+    """Every rank says whether it loaded (``"ok"`` or the error): a rank that cannot load
+    fails the start-up with its reason instead of leaving the others waiting."""
+    import torch.distributed as dist
+
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, ok, group=group)
+    return out
+
+
+def serve_rank(rank: int, world: int, init_method: str, config, timeout_s: float, threads: int) -> None:
+    """A rank other than 0: load this rank's share of the model, then run what rank 0
+    sends until it says stop (or its process group goes away)."""
+    import torch.distributed as dist
+
+    from tokenloom.core.build import build_runner
+    from tokenloom.core.plugins import PluginManager
+
+    if threads:
+        torch.set_num_threads(threads)
+    from tokenloom.core.runner import pick_device
+
+    device = rank_device(pick_device(config.engine.device), rank)
+    groups = init_group(rank, world, init_method, timeout_s, device)
+    tp = TensorParallel(rank, world, groups.model)
+    try:
+        runner = build_runner(config, PluginManager(), tp, device).runner
+        status = "ok"
+    except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the start-up
+        runner, status = None, f"rank {rank}: {type(exc).__name__}: {exc}"
+    if any(s != "ok" for s in report_load(status, groups.startup)) or runner is None:
+        dist.destroy_process_group()
+        return
+    try:
+        while True:
+            msg: list = [None]
+            dist.broadcast_object_list(msg, src=0, group=groups.commands)
+            op, args = msg[0]
+            if op == "stop":
+                break
+            getattr(runner, op)(*args)
+    except Exception as exc:  # noqa: BLE001 - rank 0 went away or a step failed: leave
+        log.error("rank_stopped", rank=rank, error=f"{type(exc).__name__}: {exc}")
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def start_workers(world: int, config, timeout_s: float, threads: int) -> tuple[str, list[subprocess.Popen]]:
+    """Start ranks 1..world-1 on this machine, each a fresh interpreter running
+    ``python -m tokenloom.core.executor`` (nothing of the caller's ``__main__`` is
+    re-imported, unlike multiprocessing's spawn); their settings arrive pickled on stdin.
+    Returns the rendezvous address and the processes."""
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    payload = pickle.dumps((world, init_method, config, timeout_s, threads))
+    env = {**os.environ, "TOKENLOOM_LOG_LEVEL": os.environ.get("TOKENLOOM_LOG_LEVEL", "WARNING")}
+    procs = []
+    for rank in range(1, world):
+        p = subprocess.Popen([sys.executable, "-m", "tokenloom.core.executor", str(rank)], stdin=subprocess.PIPE,
+                             env=env)
+        p.stdin.write(payload)
+        p.stdin.close()
+        procs.append(p)
+    return init_method, procs
+
+
+def _main() -> None:
+    """A rank started by :func:`start_workers`."""
+    from tokenloom.core.logging import configure_logging
+
+    rank = int(sys.argv[1])
+    world, init_method, config, timeout_s, threads = pickle.loads(sys.stdin.buffer.read())
+    configure_logging(os.environ.get("TOKENLOOM_LOG_LEVEL", "WARNING"), None)
+    serve_rank(rank, world, init_method, config, timeout_s, threads)
+
+
+if __name__ == "__main__":
+    _main()
