@@ -62,10 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenloom.protocols.eval_cli import add_eval_parser
     from tokenloom.protocols.plan_cli import add_plan_parser
     from tokenloom.protocols.quantize_cli import add_quantize_parser
+    from tokenloom.protocols.router_cli import add_router_parser
     from tokenloom.protocols.serve_cli import add_serve_parsers
     from tokenloom.protocols.train_medusa_cli import add_train_medusa_parser
 
     add_serve_parsers(sub)
+    add_router_parser(sub)
     add_bench_parser(sub)
     add_eval_parser(sub)
     add_quantize_parser(sub)

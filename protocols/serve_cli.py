@@ -11,6 +11,7 @@ from pathlib import Path
 
 def add_serve_parsers(sub) -> None:
     from tokenloom.protocols.cli_args import add_engine_args
+    from tokenloom.protocols.router_cli import add_router_args
 
     s = sub.add_parser("serve", help="serve the model: WebSocket streaming + playground page, OpenAI HTTP API")
     s.add_argument("--host", default="127.0.0.1", help="address every frontend binds")
@@ -30,6 +31,9 @@ def add_serve_parsers(sub) -> None:
     s.add_argument("--rate-limit-tpm", type=int, default=None, metavar="N",
                    help="tokens (prompt + max_tokens) per minute per connection")
     s.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
+    s.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="N engine processes behind a cache-aware router on --port (WebSocket only)")
+    add_router_args(s)
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 
@@ -83,6 +87,13 @@ def serve_layer(args: argparse.Namespace) -> dict:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.data_parallel_size != 1:
+        from tokenloom.core.errors import ClientError
+        from tokenloom.protocols.router_cli import cmd_serve_data_parallel
+
+        if args.data_parallel_size < 1:
+            raise ClientError.bad_value("data_parallel_size", args.data_parallel_size, ">= 1")
+        return cmd_serve_data_parallel(args)
     from tokenloom.core.config import merge_layers
     from tokenloom.core.engine import AsyncEngine
     from tokenloom.core.logging import configure_logging
