@@ -11,7 +11,7 @@ import torch
 from tokenloom.core.config import merge_layers
 from tokenloom.core.plugins import PluginManager
 from tokenloom.protocols.bench.runner import StepRecorder, run_workload
-from tokenloom.protocols.bench.workload import BenchRequest, make_workload, token_range_for
+from tokenloom.protocols.bench.workload import make_workload, token_range_for
 
 
 def read_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -85,7 +85,11 @@ def _run_variant(args, flags: dict, pm: PluginManager) -> dict:
     layer = {"scheduler": {"max_num_seqs": max(sizes), "max_num_batched_tokens": max(512, max(sizes) * args.prompt_len)}}
     llm = LLM(config_file=args.config, flags=merge_layers(flags, layer), plugin_manager=pm)
     try:
-        run_workload(llm, [BenchRequest([100 + i for i in range(16)], 8)], recorder)  # warm-up
+        # warm-up at each measured shape: a first prefill or decode at a new size pays one-time
+        # costs (kernel choice, packed layouts) that once made a first row read 9x slow
+        for b in sizes:
+            run_workload(llm, make_workload(b, (args.prompt_len, args.prompt_len), (4, 4), seed=1000 + b,
+                                            token_range=token_range_for(llm.engine.model_config.vocab_size)), recorder)
         model = llm.engine.runner.model
         dtype = str(llm.engine.runner.dtype).replace("torch.", "")
         name = f"{llm.engine.config.quantizer.name if llm.engine.config.quantizer else 'checkpoint'} / {dtype}"
