@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,25 +131,33 @@ def _start_executor(config: EngineConfig, pm: PluginManager, device, threads: in
     exits when rank 0 stops: it never becomes an engine."""
     e = config.engine
     launched = torchrun_env()
-    world = launched[1] if launched is not None and launched[1] > 1 else e.tensor_parallel_size
+    if launched is not None and launched[1] == 1:
+        launched = None  # torchrun with one process: this process starts its own ranks
+    world = launched[1] if launched is not None else e.tensor_parallel_size
     if launched is not None and e.tensor_parallel_size not in (1, world):
         raise ConfigError(f"tensor_parallel_size is {e.tensor_parallel_size} but torchrun started {world} processes")
     if world == 1:
         loaded = build_runner(config, pm, TensorParallel(), device, progress)
         return loaded, UniprocExecutor(loaded.runner), TensorParallel()
-    per_rank = max(1, (threads or torch.get_num_threads()) // (1 if launched else world))
+    before = torch.get_num_threads()
+    # each rank its share of the cores (torchrun already set OMP_NUM_THREADS per process)
+    per_rank = max(1, threads or (before if launched else (os.cpu_count() or before) // world))
     torch.set_num_threads(per_rank)
     if launched is not None:
         rank, workers, init_method = launched[0], [], "env://"
         if rank > 0:
-            serve_rank(rank, world, init_method, config, e.distributed_timeout_s, per_rank)
-            raise SystemExit(0)
+            ok = serve_rank(rank, world, init_method, config, e.distributed_timeout_s, per_rank, pm)
+            raise SystemExit(0 if ok else 1)
     else:
         init_method, workers = start_workers(world, config, e.distributed_timeout_s, per_rank)
     device = rank_device(device, 0)
     try:
         groups = init_group(0, world, init_method, e.distributed_timeout_s, device)
     except Exception as exc:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
         for p in workers:
             p.kill()
         gone = [f"rank {r} exited with code {p.wait()}" for r, p in enumerate(workers, start=1) if p.poll() is not None]
@@ -160,15 +169,19 @@ def _start_executor(config: EngineConfig, pm: PluginManager, device, threads: in
         loaded = build_runner(config, pm, tp, device, progress)
     except Exception as exc:  # noqa: BLE001 - the other ranks hear of it, then it is raised
         status, error = f"rank 0: {type(exc).__name__}: {exc}", exc
-    statuses = report_load(status, groups.startup)
-    failed = [s for s in statuses if s != "ok"]
+    try:
+        failed = [s for s in report_load(status, groups.startup) if s != "ok"]
+    except Exception as exc:  # a rank died while loading: its socket closed
+        failed = [f"a rank exited while loading ({type(exc).__name__})"]
     if failed:  # every rank heard it and leaves; so does this one
-        MultiprocExecutor(None, tp, groups.commands, workers, e.distributed_timeout_s, failed=failed[0]).close()
+        MultiprocExecutor(None, tp, groups.commands, workers, e.distributed_timeout_s, failed=failed[0],
+                          threads_before=before).close()
         if loaded is None:
             raise error
         raise ConfigError(f"tensor parallelism: a rank could not load the model: {failed[0]}")
     log.info("tensor_parallel_started", world_size=world, init_method=init_method, threads_per_rank=per_rank)
-    return loaded, MultiprocExecutor(loaded.runner, tp, groups.commands, workers, e.distributed_timeout_s), tp
+    return loaded, MultiprocExecutor(loaded.runner, tp, groups.commands, workers, e.distributed_timeout_s,
+                                     threads_before=before), tp
 
 
 def build_engine_parts(config: EngineConfig, pm: PluginManager, progress=None) -> EngineParts:

@@ -65,6 +65,7 @@ class AsyncEngine:
         self._observe_steps = self.pm.has_impl("step_finished")
         self._observe_requests = self.pm.has_impl("request_finished")
         self._started_hook_called = False
+        self._closed = False
 
     @classmethod
     def from_options(cls, config_file=None, flags=None, plugin_manager=None, progress=None, **kwargs):
@@ -75,6 +76,7 @@ class AsyncEngine:
 
     # ---- submission -------------------------------------------------------------
     def _ensure_loop(self) -> None:
+        self._check_executor()
         self.health.check(time.monotonic())  # raises EngineUnavailable while restarting or dead
         if self._loop_task is None or self._loop_task.done():
             self._wakeup = asyncio.Event()
@@ -213,14 +215,22 @@ class AsyncEngine:
                       consecutive=self.health.consecutive, dead=self.health.dead)
         self._pending_aborts.clear()
         self._publish()  # what earlier steps committed reaches its streams first
-        error = f"internal error: {exc}" if fatal else f"internal error: {type(exc).__name__}"
+        error = f"internal error: {exc.public}" if fatal else f"internal error: {type(exc).__name__}"
         for req in list(self._requests.values()):
             self._end_early(req, SequenceStatus.FINISHED_ERROR, error=error)
         if self.health.dead:
             self.dead_event.set()
 
     def health_report(self) -> HealthReport:
+        self._check_executor()
         return self.health.report(time.monotonic())
+
+    def _check_executor(self) -> None:
+        """A rank lost while the engine idles makes it dead now, not at the next request."""
+        if self.executor.failed is not None and not self.health.dead:
+            self.health.on_failure(ExecutorFailed(self.executor.failed, self.executor.failed), time.monotonic(),
+                                   fatal=True)
+            self.dead_event.set()
 
     def _expire_deadlines(self, now: float) -> None:
         """Requests past ``timeout_s`` end like aborts (blocks back now), reason ``timeout``."""
@@ -371,6 +381,9 @@ class AsyncEngine:
         return self._executor.submit(fn, *args, **kwargs).result()
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self._executor.submit(self.executor.close).result()  # other ranks stop (tensor parallelism)
         self._executor.shutdown(wait=True)
         self._tokenize_executor.shutdown(wait=True)

@@ -4,8 +4,8 @@
 - ``multiproc``: one process per tensor-parallel rank (core/parallel.py). Rank 0 is the
   engine's own process: it schedules, turns each batch into a :class:`StepPlan` and
   broadcasts it; every rank runs the plan (the model's all-reduces keep them in step) and
-  rank 0 gets the gathered logits, samples and verifies. Ranks 1..N-1 are started with
-  ``torch.multiprocessing`` and rendezvous over TCP on this machine, or, under
+  rank 0 gets the gathered logits, samples and verifies. Ranks 1..N-1 are started as
+  ``python -m tokenloom.core.executor`` processes and rendezvous over TCP on this machine, or, under
   ``torchrun``, are the other processes torchrun started (on this machine or others) with
   the rendezvous torchrun provides: the same code path after ``init_process_group``.
 
@@ -16,8 +16,14 @@ rank can stall a step. Any
 failure in a tensor-parallel step leaves the ranks out of step, so it is final: the
 executor raises :class:`ExecutorFailed`, the engine ends every request with an error and
 reports itself dead (core/health.py), and a supervisor restarts the server. A rank that
-exits is noticed at once (its socket closes, and a watcher thread names its exit code); a
-rank that hangs, within the timeout.
+exits is noticed at once (its socket closes, and a watcher thread names its exit code, which
+the engine's health reports even while it idles); a rank that hangs, within the timeout.
+These bounds hold on gloo. On NCCL a collective does not fail on rank 0's thread: a dead or
+hung GPU rank is caught by NCCL's own watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``), which
+ends the process — a supervisor restarts it either way.
+
+Ranks run only the operations in :data:`RANK_OPS`. Under torchrun a process hosts one
+engine: the other ranks leave when it closes.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -46,7 +53,16 @@ COMMAND_TIMEOUT = timedelta(days=365)
 
 
 class ExecutorFailed(RuntimeError):
-    """A rank died, hung past the timeout or failed a step: the group cannot go on."""
+    """A rank died, hung past the timeout or failed a step: the group cannot go on.
+    ``public``: what a client may read (no addresses or paths)."""
+
+    def __init__(self, detail: str, public: str):
+        super().__init__(detail)
+        self.public = public
+
+
+#: what rank 0 may ask the other ranks to run (a ModelRunner method each)
+RANK_OPS = ("execute", "move_kv_slots", "allocate_kv_cache", "prefill_logits", "prefill_hidden")
 
 
 class UniprocExecutor:
@@ -54,6 +70,7 @@ class UniprocExecutor:
 
     name = "uniproc"
     world_size = 1
+    failed: str | None = None  # why the ranks cannot go on (never, with one)
 
     def __init__(self, runner: ModelRunner):
         self.driver = runner
@@ -87,12 +104,14 @@ class MultiprocExecutor(UniprocExecutor):
     name = "multiproc"
 
     def __init__(self, runner: ModelRunner | None, tp: TensorParallel, command_group, workers: list, timeout_s: float,
-                 failed: str | None = None):
+                 failed: str | None = None, threads_before: int | None = None):
         super().__init__(runner)
         self.tp, self.command_group, self.workers, self.timeout_s = tp, command_group, workers, timeout_s
         self.world_size = tp.world_size
         self.failed = failed  # why the group cannot go on
+        self._public = "a tensor-parallel rank failed"
         self._closing = False
+        self._threads_before = threads_before  # restored on close (rank 0 ran with its share)
         if workers and failed is None:
             self._watch()
 
@@ -104,21 +123,37 @@ class MultiprocExecutor(UniprocExecutor):
     def _watch_one(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
         if not self._closing and self.failed is None:
-            self.failed = f"tensor-parallel rank {rank} exited (code {code})"
+            self.failed = self._public = f"tensor-parallel rank {rank} exited (code {code})"
             log.error("rank_exited", rank=rank, exitcode=code)
 
     def _run(self, op: str, *args):
         """Send ``op`` to every other rank, then run it here; any failure is final."""
         if self.failed is not None:
-            raise ExecutorFailed(self.failed)
+            raise ExecutorFailed(self.failed, self._public)
         import torch.distributed as dist
 
         try:
             dist.broadcast_object_list([(op, args)], src=0, group=self.command_group)
-            return getattr(self.driver, op)(*args)
+            return rank_op(self.driver, op)(*args)
         except Exception as exc:
-            self.failed = self.failed or f"tensor-parallel step failed on rank 0: {type(exc).__name__}: {exc}"[:300]
-            raise ExecutorFailed(self.failed) from exc
+            if self.failed is None:
+                gone = self._exited(wait_s=1.0)  # a closed socket usually means a dead rank: name it
+                if gone is not None:
+                    self.failed = self._public = gone
+                else:
+                    self.failed = f"tensor-parallel step failed on rank 0: {type(exc).__name__}: {exc}"[:300]
+                    self._public = "a tensor-parallel collective failed or timed out"
+            raise ExecutorFailed(self.failed, self._public) from exc
+
+    def _exited(self, wait_s: float) -> str | None:
+        end = time.monotonic() + wait_s
+        while True:
+            for rank, proc in enumerate(self.workers, start=1):
+                if proc.poll() is not None:
+                    return f"tensor-parallel rank {rank} exited (code {proc.returncode})"
+            if time.monotonic() >= end:
+                return None
+            time.sleep(0.05)
 
     def forward(self, batch: Batch, *, return_hidden: bool = False) -> ForwardOutput:
         plan, seqs, counts = self.driver.plan(batch)
@@ -146,6 +181,8 @@ class MultiprocExecutor(UniprocExecutor):
         """Stop every rank (they leave their loop), then reap what this engine started."""
         import torch.distributed as dist
 
+        if self._closing:
+            return
         self._closing = True
         if self.failed is None:
             try:
@@ -154,10 +191,12 @@ class MultiprocExecutor(UniprocExecutor):
                 log.warning("rank_stop_failed", error=str(exc))
         for proc in self.workers:
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=10 if self.failed is None else 0.5)  # a failed group's ranks may hang
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=5)
+        if self._threads_before:
+            torch.set_num_threads(self._threads_before)
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - already torn down
@@ -202,8 +241,29 @@ def init_group(rank: int, world: int, init_method: str, timeout_s: float, device
     return Groups(startup, commands, dist.new_group(backend=backend, timeout=bounded))
 
 
+def rank_op(runner: ModelRunner, op: str):
+    """The runner method a command names; only :data:`RANK_OPS` may be asked for."""
+    ops = {"execute": runner.execute, "move_kv_slots": runner.move_kv_slots,
+           "allocate_kv_cache": runner.allocate_kv_cache, "prefill_logits": runner.prefill_logits,
+           "prefill_hidden": runner.prefill_hidden}
+    if op not in ops:
+        raise ValueError(f"unknown rank operation {op!r}")
+    return ops[op]
+
+
 def rank_device(device: torch.device, rank: int) -> torch.device:
-    return torch.device("cuda", rank % torch.cuda.device_count()) if device.type == "cuda" else device
+    """This rank's device: on GPUs one each, by local rank (torchrun's LOCAL_RANK), made
+    the current device so kernels launch where the tensors are."""
+    if device.type != "cuda":
+        return device
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    if local >= torch.cuda.device_count():
+        from tokenloom.core.errors import ConfigError
+
+        raise ConfigError(f"rank {rank} needs GPU {local}, and this machine has {torch.cuda.device_count()}")
+    dev = torch.device("cuda", local)
+    torch.cuda.set_device(dev)
+    return dev
 
 
 def report_load(ok: str, group) -> list[str]:
@@ -216,9 +276,11 @@ def report_load(ok: str, group) -> list[str]:
     return out
 
 
-def serve_rank(rank: int, world: int, init_method: str, config, timeout_s: float, threads: int) -> None:
+def serve_rank(rank: int, world: int, init_method: str, config, timeout_s: float, threads: int,
+               pm=None) -> bool:
     """A rank other than 0: load this rank's share of the model, then run what rank 0
-    sends until it says stop (or its process group goes away)."""
+    sends until it says stop (True) or the group fails (False). ``pm``: the plugin manager
+    (a fresh one, entry points included, when this process has none)."""
     import torch.distributed as dist
 
     from tokenloom.core.build import build_runner
@@ -232,21 +294,22 @@ def serve_rank(rank: int, world: int, init_method: str, config, timeout_s: float
     groups = init_group(rank, world, init_method, timeout_s, device)
     tp = TensorParallel(rank, world, groups.model)
     try:
-        runner = build_runner(config, PluginManager(), tp, device).runner
+        runner = build_runner(config, pm or PluginManager(), tp, device).runner
         status = "ok"
     except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the start-up
         runner, status = None, f"rank {rank}: {type(exc).__name__}: {exc}"
-    if any(s != "ok" for s in report_load(status, groups.startup)) or runner is None:
-        dist.destroy_process_group()
-        return
+    ok = False
     try:
+        if any(s != "ok" for s in report_load(status, groups.startup)) or runner is None:
+            return False
         while True:
             msg: list = [None]
             dist.broadcast_object_list(msg, src=0, group=groups.commands)
             op, args = msg[0]
             if op == "stop":
+                ok = True
                 break
-            getattr(runner, op)(*args)
+            rank_op(runner, op)(*args)
     except Exception as exc:  # noqa: BLE001 - rank 0 went away or a step failed: leave
         log.error("rank_stopped", rank=rank, error=f"{type(exc).__name__}: {exc}")
     finally:
@@ -254,6 +317,7 @@ def serve_rank(rank: int, world: int, init_method: str, config, timeout_s: float
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
+    return ok
 
 
 def start_workers(world: int, config, timeout_s: float, threads: int) -> tuple[str, list[subprocess.Popen]]:
@@ -281,7 +345,7 @@ def _main() -> None:
     rank = int(sys.argv[1])
     world, init_method, config, timeout_s, threads = pickle.loads(sys.stdin.buffer.read())
     configure_logging(os.environ.get("TOKENLOOM_LOG_LEVEL", "WARNING"), None)
-    serve_rank(rank, world, init_method, config, timeout_s, threads)
+    sys.exit(0 if serve_rank(rank, world, init_method, config, timeout_s, threads) else 1)
 
 
 if __name__ == "__main__":

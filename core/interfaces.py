@@ -179,6 +179,31 @@ class Quantizer(Protocol):
         missing or misshapen tensor raises ValueError naming it."""
 
 
+@runtime_checkable
+class Executor(Protocol):
+    """How a step reaches the model runner(s) (core/executor.py): ``uniproc`` (one runner) or
+    ``multiproc`` (a tensor-parallel group: rank 0 sends each call to every rank first)."""
+
+    name: str
+    world_size: int
+    driver: Any  # rank 0's ModelRunner (its sampler and model: under tensor parallelism, one share)
+    failed: str | None  # why the ranks cannot go on (a rank died or hung); None while healthy
+
+    def forward(self, batch: Batch, *, return_hidden: bool = False) -> Any:
+        """The runner's ForwardOutput for ``batch``, every rank having run it."""
+
+    def move_kv_slots(self, src: list[int], dst: list[int]) -> None: ...
+
+    def allocate_kv_cache(self, num_blocks: int, kv_cache_dtype: str = "auto") -> None: ...
+
+    def prefill_logits(self, token_ids: list[int], block_table: list[int]) -> Any: ...
+
+    def prefill_hidden(self, token_ids: list[int], block_table: list[int]) -> Any: ...
+
+    def close(self) -> None:
+        """Stop every other rank; idempotent."""
+
+
 @dataclass(frozen=True, slots=True)
 class DecoderContext:
     """What a decoder factory gets besides its options: one frozen struct, so that a new need
@@ -194,10 +219,9 @@ class DecoderContext:
     # manager, on the engine's device and backend. Call it on the step thread.
     load_model: Any = None
     model_name: str = ""  # the checkpoint's name (Medusa finds its heads by it)
-    # how steps reach the runner(s) (core/executor.py): forward, move_kv_slots, prefill_*;
-    # world_size > 1 under tensor parallelism, where ``runner`` holds rank 0's share only.
-    # None: the runner alone (a UniprocExecutor over it)
-    executor: Any = None
+    # how steps reach the runner(s): world_size > 1 under tensor parallelism, where
+    # ``runner`` holds rank 0's share only. None: the runner alone (a UniprocExecutor over it)
+    executor: Executor | None = None
 
 
 @dataclass(slots=True)

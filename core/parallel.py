@@ -73,7 +73,13 @@ class TensorParallel:
         return range(kv.start * group, kv.stop * group)
 
     def ffn(self, cfg: ModelConfig) -> range:
-        return split_evenly(cfg.intermediate_size, self.world_size, self.rank)
+        """This rank's FFN columns, split in units of 128 (or 64, 32: the largest that divides
+        the FFN into at least one unit per rank), so a row-parallel ``down`` weight quantised
+        in groups of up to that many columns splits at group boundaries."""
+        n = cfg.intermediate_size
+        unit = next((u for u in (128, 64, 32) if n % u == 0 and n // u >= self.world_size), 1)
+        units = split_evenly(n // unit, self.world_size, self.rank)
+        return range(units.start * unit, units.stop * unit)
 
     def vocab_shard_size(self, cfg: ModelConfig) -> int:
         return -(-cfg.vocab_size // self.world_size)

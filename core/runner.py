@@ -159,6 +159,9 @@ class ModelRunner:
         """Run the batch (scheduled and draft tokens); return the logits of each sampling
         sequence's last scheduled token and of its drafts (see :class:`ForwardOutput`).
         One rank only: an engine goes through its executor (core/executor.py)."""
+        if self.tp.enabled:
+            raise RuntimeError("ModelRunner.forward under tensor parallelism would run rank 0 alone; "
+                               "use the engine's executor (engine.executor.forward)")
         plan, seqs, counts = self.plan(batch)
         logits, hidden = self.execute(plan, return_hidden)
         if not plan.sample_rows:

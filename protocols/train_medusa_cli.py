@@ -20,6 +20,8 @@ def add_train_medusa_parser(sub) -> None:
                    help="share of prompts asking about a documentation passage; the rest the model writes itself")
     t.add_argument("--max-tokens", type=int, default=160, help="tokens per answer")
     t.add_argument("--epochs", type=int, default=2)
+    t.add_argument("--draft-vocab", type=int, default=8192, metavar="K",
+                   help="the heads choose among the K tokens most frequent in the answers (0: the whole vocabulary)")
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--batch-size", type=int, default=256)
     t.add_argument("--out", help="safetensors file (default: where the medusa decoder looks for this model's heads)")
@@ -79,7 +81,7 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
         llm.close()
     torch.manual_seed(0)
     heads, report = train_heads(feats, head, args.num_heads, embedding=embedding if args.token_input else None,
-                                epochs=args.epochs, lr=args.lr,
+                                epochs=args.epochs, lr=args.lr, draft_vocab=args.draft_vocab,
                                 batch_size=args.batch_size, compute_dtype=compute_dtype,
                                 progress=_progress_bar("training heads"))
     out = args.out or str(default_heads_path(name))

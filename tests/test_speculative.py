@@ -536,3 +536,40 @@ def test_a_decoder_that_cannot_be_built_fails_no_request(make_llm, tmp_path, mon
     with pytest.raises(ClientError) as info:
         llm.generate(["three"], SamplingParams(decoder="medusa"))
     assert info.value.param == "decoder" and "train-medusa" in str(info.value)
+
+
+def test_medusa_draft_vocabulary(make_llm, tiny_model_dir, tmp_path, monkeypatch):
+    """Heads with a draft vocabulary propose only its tokens, from the output head's own rows,
+    and greedy output stays the target's."""
+    from safetensors.torch import load_file
+
+    from tokenloom.plugins.decoders.medusa import MedusaDecoder, MedusaHeads, output_head_rows
+    from tokenloom.plugins.decoders.medusa_train import frequent_tokens
+
+    assert frequent_tokens(torch.tensor([5, 3, 5, 9, 3, 5, 7]), 3).tolist() == [5, 3, 7]
+    assert frequent_tokens(torch.tensor([2, 2]), 10).tolist() == [2]
+    path = _random_heads(tmp_path / "v.safetensors", 2, 64, scale=0.3)
+    heads = MedusaHeads.load(path, 64)
+    heads.vocab = torch.arange(30, 230, 5)  # 40 tokens
+    heads.save(path, "tiny")
+    assert MedusaHeads.load(path, 64).vocab.tolist() == heads.vocab.tolist()
+    proposed: list[int] = []
+    real = MedusaDecoder.propose
+
+    def spy(self, seqs, outputs, forward):
+        real(self, seqs, outputs, forward)
+        for seq in seqs:
+            proposed.extend(seq.draft_token_ids)
+
+    monkeypatch.setattr(MedusaDecoder, "propose", spy)
+    llm = make_llm(decoder={"name": "medusa", "heads": str(path)})
+    dec = llm.engine.decoder
+    weight = load_file(tiny_model_dir / "model.safetensors")["lm_head.weight"].float()
+    torch.testing.assert_close(dec.vocab_head, weight[heads.vocab], rtol=0, atol=1e-6)
+    prompts = ["abcabcabc", "hello hello"]
+    got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    want = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, decoder="standard"))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert proposed and set(proposed) <= set(heads.vocab.tolist())
+    rows = output_head_rows(llm.engine.runner.model, torch.tensor([0, 259]))
+    torch.testing.assert_close(rows, weight[[0, 259]], rtol=0, atol=1e-6)

@@ -285,3 +285,28 @@ def test_quantised_layers_shard(quantizer, tiny_model_dir):
     assert logits[2].shape == (len(ids), TINY_VOCAB)
     torch.testing.assert_close(logits[2], logits[1], atol=1e-2 * float(logits[1].abs().max()), rtol=0)
     assert (logits[2].argmax(-1) == logits[1].argmax(-1)).float().mean() > 0.9
+
+
+async def test_a_rank_lost_while_idle_shows_in_health_at_once(tiny_model_dir):
+    """No request needed: the watcher's exit code reaches health; the engine closes twice."""
+    from tokenloom.core.build import config_from_sources
+    from tokenloom.core.engine import AsyncEngine
+    from tokenloom.core.plugins import PluginManager
+
+    pm = PluginManager(load_entry_points=False)
+    engine = AsyncEngine(config_from_sources(pm, None, None, tiny_engine_kwargs(tiny_model_dir, tensor_parallel_size=2)),
+                         plugin_manager=pm)
+    try:
+        assert engine.health_report().status == "ok"
+        engine.executor.workers[0].kill()
+        for _ in range(100):
+            if engine.health_report().status == "dead":
+                break
+            await asyncio.sleep(0.05)
+        report = engine.health_report()
+        assert report.status == "dead" and "rank 1 exited" in report.reason
+        assert engine.dead_event.is_set()
+    finally:
+        await engine.shutdown()
+        engine.close()
+        engine.close()

@@ -65,6 +65,8 @@ class MedusaHeads(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.zeros(num_heads, hidden_size, inputs))
         self.bias = torch.nn.Parameter(torch.zeros(num_heads, hidden_size))
         self.meta: dict = {}  # what train-medusa reported (held-out accuracies, ...)
+        # the draft vocabulary: token ids the heads choose among, most frequent first (None: all)
+        self.vocab: torch.Tensor | None = None
 
     @property
     def num_heads(self) -> int:
@@ -86,6 +88,8 @@ class MedusaHeads(torch.nn.Module):
         for i in range(self.num_heads):
             tensors[f"medusa.{i}.weight"] = self.weight[i].detach().float().contiguous()
             tensors[f"medusa.{i}.bias"] = self.bias[i].detach().float().contiguous()
+        if self.vocab is not None:
+            tensors["medusa.vocab"] = self.vocab.to(torch.int64).contiguous()
         save_file(tensors, str(path), metadata={"model": model_name, "num_heads": str(self.num_heads),
                                                "hidden_size": str(self.weight.shape[1]),
                                                "token_input": str(int(self.token_input)),
@@ -110,7 +114,19 @@ class MedusaHeads(torch.nn.Module):
                 for i in range(n):
                     heads.weight[i].copy_(f.get_tensor(f"medusa.{i}.weight"))
                     heads.bias[i].copy_(f.get_tensor(f"medusa.{i}.bias"))
+            if "medusa.vocab" in f.keys():
+                heads.vocab = f.get_tensor("medusa.vocab").to(torch.int64)
         return heads.eval().requires_grad_(False)
+
+
+@torch.inference_mode()
+def output_head_rows(model, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of the model's output head as dense float32 ``[K, d]``, whatever kind of
+    weight packs it (read back by applying it to the identity, in chunks)."""
+    d = model.cfg.hidden_size
+    eye = torch.eye(d, dtype=model.dtype, device=ids.device)
+    cols = [model.lm_head.apply(eye[i:i + 64]).float()[:, ids] for i in range(0, d, 64)]  # [64, K] each
+    return torch.cat(cols).T.contiguous()
 
 
 def token_features(embedding_rows: torch.Tensor) -> torch.Tensor:
@@ -170,6 +186,9 @@ class MedusaOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     num_speculative_tokens: int | None = None  # deepest draft (default: every head)
     tree: list[list[int]] | None = None  # None: best_tree(tree_nodes) from the heads' file; []: a chain
     tree_nodes: int = 8  # size of the tree built from held-out accuracies (tree = None)
+    # the heads choose among the draft vocabulary's first N tokens (the most frequent in their
+    # training answers, stored with the heads); None: all it holds; 0: the whole vocabulary
+    draft_vocab: int | None = None
     max_batch: int = 4
 
 
@@ -220,6 +239,17 @@ class MedusaDecoder(SharedStepDecoder):
         if paths and max(map(len, paths)) > self.heads.num_heads:
             raise ConfigError(f"decoder.tree is {max(map(len, paths))} deep; there are {self.heads.num_heads} heads")
         self.paths, self.parents = tree_layout(paths) if paths else ([], [])
+        # Draft vocabulary (FR-Spec, Zhao et al. 2025, arXiv:2502.14856): the heads' logits over
+        # the most frequent tokens only, a dense [K, d] slice of the output head, instead of
+        # the whole head (at 49,152 x 576 it costs a sixth of a decode step). A token outside
+        # it is never proposed; what is accepted stays exact.
+        self.vocab = self.vocab_head = None
+        if o.draft_vocab is not None and o.draft_vocab < 0:
+            raise ConfigError(f"decoder.draft_vocab must be >= 0, got {o.draft_vocab}")
+        if self.heads.vocab is not None and o.draft_vocab != 0:
+            vocab = self.heads.vocab[: o.draft_vocab] if o.draft_vocab is not None else self.heads.vocab
+            self.vocab = vocab.to(self.runner.device)
+            self.vocab_head = output_head_rows(model, self.vocab)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], outputs: DecoderOutput, forward: ForwardOutput) -> None:
@@ -247,10 +277,16 @@ class MedusaDecoder(SharedStepDecoder):
             last = torch.tensor([outputs[seq].token_ids[-1] for seq, _ in want], device=model.embed.device)
             e = token_features(model.embed[last])
         h = self.heads(x, e)  # [H, S, d]
-        logits = model.lm_head.apply(h.reshape(-1, h.shape[-1]).to(model.dtype)).float()
-        logits = logits.view(self.heads.num_heads, len(want), -1)
+        if self.vocab_head is not None:
+            logits = h @ self.vocab_head.T  # [H, S, K] over the draft vocabulary
+        else:
+            logits = model.lm_head.apply(h.reshape(-1, h.shape[-1]).to(model.dtype)).float()
+            logits = logits.view(self.heads.num_heads, len(want), -1)
         ranks = 1 + max((max(p) for p in self.paths), default=0)
-        top = logits.topk(ranks, dim=-1).indices.transpose(0, 1).tolist()  # [S][H][ranks]
+        top = logits.topk(ranks, dim=-1).indices
+        if self.vocab is not None:
+            top = self.vocab[top]
+        top = top.transpose(0, 1).tolist()  # [S][H][ranks]
         for (seq, k), guesses in zip(want, top, strict=True):
             if not self.paths:
                 seq.draft_token_ids = [guesses[i][0] for i in range(k)]

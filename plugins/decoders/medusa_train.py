@@ -91,6 +91,16 @@ def distillation_prompts(n: int, llm=None, *, grounded_share: float = 0.25, char
     return [[{"role": "user", "content": c}] for c in prompts]
 
 
+def frequent_tokens(tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """The draft vocabulary: the ``k`` token ids most frequent in ``tokens`` (the answers),
+    most frequent first (ties: lower id first); fewer if fewer distinct ids occur."""
+    if k < 0:
+        raise ValueError(f"draft_vocab must be >= 0, got {k}")
+    ids, counts = torch.unique(tokens, return_counts=True)
+    order = sorted(range(len(ids)), key=lambda i: (-int(counts[i]), int(ids[i])))[:k]
+    return ids[torch.tensor(order, dtype=torch.long)].to(torch.int64)
+
+
 #: held-out accuracy is measured for each head's best TOPK_RANKS guesses (the tree's widest choice)
 TOPK_RANKS = 10
 
@@ -138,12 +148,13 @@ def collect_features(llm, conversations: list[list[int]], prompt_lens: list[int]
 
 def train_heads(feats: Features, head_weight: torch.Tensor, num_heads: int, *, embedding: torch.Tensor | None = None,
                 epochs: int = 2, lr: float = 1e-3, batch_size: int = 256, holdout: float = 0.1, seed: int = 0,
-                compute_dtype: torch.dtype = torch.float32,
+                compute_dtype: torch.dtype = torch.float32, draft_vocab: int = 8192,
                 progress: Callable[[int, int], None] | None = None) -> tuple[MedusaHeads, dict]:
     """Train ``num_heads`` heads on ``feats`` through the frozen ``head_weight [V, d]``;
     with the input ``embedding [V, d]`` they also read the token each state produced
     (``token_input``; without, the hidden state alone). Returns the heads and a report
-    (loss, held-out accuracy per head and rank). The output-head matmul, most of the work,
+    (loss, held-out accuracy per head and rank); the heads keep the ``draft_vocab`` tokens
+    most frequent in the answers (:func:`frequent_tokens`; 0: none). The output-head matmul, most of the work,
     runs in ``compute_dtype`` (the model's dtype: bf16 where the CPU has it); the heads and
     the optimiser stay fp32."""
     g = torch.Generator().manual_seed(seed)
@@ -176,6 +187,7 @@ def train_heads(feats: Features, head_weight: torch.Tensor, num_heads: int, *, e
             if progress is not None:
                 progress(done, steps)
     heads.eval()
+    heads.vocab = frequent_tokens(feats.tokens, draft_vocab) if draft_vocab else None
     with torch.no_grad():
         ranks = torch.zeros(num_heads, TOPK_RANKS)  # [H, R]: label was the head's r-th best guess
         total = torch.zeros(num_heads)

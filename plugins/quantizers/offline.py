@@ -100,7 +100,13 @@ def model_group_size(requested: int, widths: list[int]) -> int:
 
 def calibrate(llm, chunks: list[list[int]], *, hessian: bool, awq: bool,
               progress: Callable[[int, int], None] | None = None) -> dict[str, _Capture]:
-    """Run ``chunks`` through ``llm`` (dense weights), capturing every layer matmul's inputs."""
+    """Run ``chunks`` through ``llm`` (dense weights), capturing every layer matmul's inputs.
+    On one rank: the captures must see whole matmuls."""
+    if llm.engine.executor.world_size > 1:
+        from tokenloom.core.errors import ConfigError
+
+        raise ConfigError("tokenloom quantize calibrates on one rank; drop --tensor-parallel-size "
+                          f"({llm.engine.executor.world_size})")
     model = llm.engine.runner.model
     captures: dict[str, _Capture] = {}
     for i, layer in enumerate(model.layers):
