@@ -160,6 +160,9 @@ def test_completions_whole_streamed_and_logprobs(client):
     penalised = client.chat.completions.create(model=model, messages=HI, temperature=0, max_tokens=4,
                                                presence_penalty=0.5, frequency_penalty=0.5)
     assert penalised.usage.completion_tokens == 4
+    targeted = client.chat.completions.create(model=model, messages=HI, temperature=0, max_tokens=4,
+                                              extra_body={"slo_class": "interactive", "ttft_ms": 5000, "tpot_ms": 500})
+    assert targeted.usage.completion_tokens == 4
 
 
 @pytest.mark.parametrize("kwargs, param", [
@@ -173,6 +176,8 @@ def test_completions_whole_streamed_and_logprobs(client):
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"extra_body": {"top_k": "many"}}, "top_k"),
     ({"extra_body": {"decoder": "nonesuch"}}, "decoder"),
+    ({"extra_body": {"slo_class": "not a class!"}}, "slo_class"),
+    ({"extra_body": {"ttft_ms": -5}}, "ttft_ms"),
     ({"max_tokens": 5000}, "max_tokens"),  # past the context length
 ])
 def test_an_invalid_parameter_is_a_bad_request_naming_it(client, kwargs, param):

@@ -7,7 +7,8 @@ Fields OpenAI defines that change what is generated and that tokenloom cannot ho
 fields that only describe the caller (``user``, ``metadata``, ``store``, ...) and unknown
 fields are ignored, as OpenAI's own server and vLLM ignore what they do not use.
 Extensions in vLLM's spirit: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
-``stop_token_ids``, and tokenloom's ``decoder`` and ``num_speculative_tokens``.
+``stop_token_ids``, and tokenloom's ``decoder``, ``num_speculative_tokens`` and the latency
+targets ``slo_class``, ``ttft_ms``, ``tpot_ms`` (see SamplingParams).
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     decoder: str | None = None
     num_speculative_tokens: int | None = None
+    # latency targets for the `slo` scheduler (a service class and its TTFT/TPOT in ms)
+    slo_class: str | None = None
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -168,7 +173,8 @@ def sampling_params(req: _Sampling, num_logprobs: int | None) -> tuple[SamplingP
     given = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
              "repetition_penalty": req.repetition_penalty, "presence_penalty": req.presence_penalty,
              "frequency_penalty": req.frequency_penalty, "seed": req.seed, "decoder": req.decoder,
-             "num_speculative_tokens": req.num_speculative_tokens}
+             "num_speculative_tokens": req.num_speculative_tokens, "slo_class": req.slo_class,
+             "ttft_ms": req.ttft_ms, "tpot_ms": req.tpot_ms}
     fields = {k: v for k, v in given.items() if v is not None}
     params = SamplingParams(**fields, max_tokens=max_tokens if max_tokens is not None else 1, stop=stop,
                             stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
