@@ -38,6 +38,9 @@ log = structlog.get_logger("tokenloom.openai")
 MAX_CLIENTS_TRACKED = 4096  # rate-limit buckets kept, least recently seen dropped first
 
 
+#: an oversized body up to this size is read to its end before the 413 (see _drain)
+DRAIN_BYTES = 8 << 20
+
 class _Uvicorn(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
@@ -149,14 +152,28 @@ class OpenAIFrontend:
         too_big = HTTPError(413, f"the request body is over {limit} bytes", code="request_too_large")
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._drain(request, int(declared))
             raise too_big
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
+                await self._drain(request, None)
                 raise too_big
             chunks.append(chunk)
         return b"".join(chunks)
+
+    @staticmethod
+    async def _drain(request: Request, declared: int | None) -> None:
+        """Read and drop the rest of an oversized body (up to ``DRAIN_BYTES``) before the 413:
+        a client still sending when the answer comes gets a reset, not the answer."""
+        if declared is not None and declared > DRAIN_BYTES:
+            return
+        seen = 0
+        async for chunk in request.stream():
+            seen += len(chunk)
+            if seen > DRAIN_BYTES:
+                return
 
     def _limiter(self, request: Request) -> RateLimiter:
         client = request.client.host if request.client else "?"
