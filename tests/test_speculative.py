@@ -565,7 +565,7 @@ def test_medusa_draft_vocabulary(make_llm, tiny_model_dir, tmp_path, monkeypatch
     llm = make_llm(decoder={"name": "medusa", "heads": str(path)})
     dec = llm.engine.decoder
     weight = load_file(tiny_model_dir / "model.safetensors")["lm_head.weight"].float()
-    torch.testing.assert_close(dec.vocab_head, weight[heads.vocab], rtol=0, atol=1e-6)
+    torch.testing.assert_close(dec.vocab_head.float(), weight[heads.vocab], rtol=1e-2, atol=1e-6)
     prompts = ["abcabcabc", "hello hello"]
     got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     want = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, decoder="standard"))
