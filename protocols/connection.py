@@ -33,9 +33,8 @@ from tokenloom.protocols.messages import (
     Pong,
     Session,
     decode_client,
-    encode,
 )
-from tokenloom.protocols.outbound import OutboundQueue
+from tokenloom.protocols.outbound import OutboundQueue, drain, send_queued
 from tokenloom.protocols.ratelimit import RateLimiter
 
 if TYPE_CHECKING:
@@ -211,31 +210,20 @@ class Connection:
             self.engine.abort(self._engine_id(rid))
 
     def _cut(self, event: str, **details) -> None:
-        """The peer is not reading: abort its requests and drop the transport."""
-        self.log.warning(event, **details)
+        """The peer is not reading: abort its requests and drop the transport (then log:
+        nothing after a failed log call may be left undone)."""
         self.abort_all()
         self.out.close()
         self.ws.transport.abort()
+        self.log.warning(event, **details)
 
     async def _writer(self) -> None:
         timeout = self.server.options.send_timeout_s
-        while True:
-            msg = await self.out.get()
-            if msg is None:
-                return
-            try:
-                await asyncio.wait_for(self.ws.send(encode(msg)), timeout)
-            except TimeoutError:
-                self._cut("send_timeout", seconds=timeout, pending=len(self.out))
-                return
-            except ConnectionClosed:
-                return
+        await send_queued(self.ws, self.out, timeout,
+                          lambda: self._cut("send_timeout", seconds=timeout, pending=len(self.out)))
 
     async def drain_and_close(self, code: int, reason: str) -> None:
         """Send what is queued (the final `done`s), then close."""
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-        loop = asyncio.get_running_loop()
-        end = loop.time() + self.server.options.send_timeout_s
-        while len(self.out) and loop.time() < end and not self.out.closed:
-            await asyncio.sleep(0.01)
+        await drain(self.out, self.server.options.send_timeout_s)
         await self.ws.close(code, reason)

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
-from tokenloom.protocols.messages import Delta, LogprobOut
+from websockets.exceptions import ConnectionClosed
+
+from tokenloom.protocols.messages import Delta, LogprobOut, encode
 
 # Rough JSON sizes, enough to bound memory: a token id, a logprob entry, a control message.
 _ID_BYTES, _LOGPROB_BYTES, _MSG_BYTES = 8, 32, 256
@@ -86,3 +89,27 @@ class OutboundQueue:
     def close(self) -> None:
         self.closed = True
         self._ready.set()
+
+
+async def send_queued(ws, out: OutboundQueue, timeout_s: float, on_timeout: Callable[[], None]) -> None:
+    """Send ``out``'s messages on ``ws`` until the queue closes or the peer goes; a send
+    blocked longer than ``timeout_s`` (the peer stopped reading) calls ``on_timeout``."""
+    while True:
+        msg = await out.get()
+        if msg is None:
+            return
+        try:
+            await asyncio.wait_for(ws.send(encode(msg)), timeout_s)
+        except TimeoutError:
+            on_timeout()
+            return
+        except ConnectionClosed:
+            return
+
+
+async def drain(out: OutboundQueue, timeout_s: float) -> None:
+    """Wait (at most ``timeout_s``) until what is queued has been sent."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while len(out) and loop.time() < end and not out.closed:
+        await asyncio.sleep(0.01)

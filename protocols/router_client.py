@@ -23,9 +23,8 @@ from tokenloom.protocols.messages import (
     Pong,
     Session,
     decode_client,
-    encode,
 )
-from tokenloom.protocols.outbound import OutboundQueue
+from tokenloom.protocols.outbound import OutboundQueue, drain, send_queued
 from tokenloom.protocols.router_upstream import Pending
 
 if TYPE_CHECKING:
@@ -107,26 +106,17 @@ class ClientConnection:
         task.add_done_callback(self._tasks.discard)
 
     async def _writer(self) -> None:
-        timeout = self.router.options.send_timeout_s
-        while True:
-            msg = await self.out.get()
-            if msg is None:
-                return
-            try:
-                await asyncio.wait_for(self.ws.send(encode(msg)), timeout)
-            except TimeoutError:  # the client stopped reading: end its requests, drop it
-                log.warning("send_timeout", seconds=timeout, pending=len(self.out))
-                self.out.close()
-                self.cancel_all()
-                self.ws.transport.abort()
-                return
-            except ConnectionClosed:
-                return
+        await send_queued(self.ws, self.out, self.router.options.send_timeout_s, self._cut)
+
+    def _cut(self) -> None:
+        """The client stopped reading: end its requests, drop it (then log)."""
+        pending = len(self.out)
+        self.out.close()
+        self.cancel_all()
+        self.ws.transport.abort()
+        log.warning("send_timeout", seconds=self.router.options.send_timeout_s, pending=pending)
 
     async def drain_and_close(self, code: int, reason: str) -> None:
         """Send what is queued (the final `done`s), then close."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + self.router.options.send_timeout_s
-        while len(self.out) and loop.time() < end and not self.out.closed:
-            await asyncio.sleep(0.01)
+        await drain(self.out, self.router.options.send_timeout_s)
         await self.ws.close(code, reason)
