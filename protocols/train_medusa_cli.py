@@ -29,6 +29,8 @@ def add_train_medusa_parser(sub) -> None:
                    help="the answered conversations: read from FILE when it exists (no generation), else written there")
     t.add_argument("--token-input", action=argparse.BooleanOptionalAction, default=True,
                    help="heads also read the token their hidden state produced (default); off: Medusa's plain heads")
+    t.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=True,
+                   help="head i also reads the i draft tokens before its guess (Hydra; default); needs --token-input")
     add_engine_args(t)
     t.set_defaults(func=cmd_train_medusa)
 
@@ -82,10 +84,12 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     heads, report = train_heads(feats, head, args.num_heads, embedding=embedding if args.token_input else None,
                                 epochs=args.epochs, lr=args.lr, draft_vocab=args.draft_vocab,
+                                sequential=args.sequential and args.token_input,
                                 batch_size=args.batch_size, compute_dtype=compute_dtype,
                                 progress=_progress_bar("training heads"))
     out = args.out or str(default_heads_path(name))
     report.update(model=name, prompts=len(ids), grounded_share=args.grounded_share, token_input=args.token_input,
+                  sequential=args.sequential and args.token_input,
                   max_tokens=args.max_tokens, seconds=time.perf_counter() - t0)
     acc = report["heldout_rank_accuracy"]
     report["expected_tokens_per_step"] = {n: round(1 + expected_accepted(acc, best_tree(acc, n)), 3)

@@ -241,10 +241,10 @@ async def test_decoder_is_chosen_per_request_over_the_websocket(make_server):
         assert info.value.param == "decoder"
 
 
-def _random_heads(path, num_heads: int, hidden: int, scale: float = 0.5):
+def _random_heads(path, num_heads: int, hidden: int, scale: float = 0.5, sequential: bool = False):
     from tokenloom.plugins.decoders.medusa import MedusaHeads
 
-    heads = MedusaHeads(num_heads, hidden)
+    heads = MedusaHeads(num_heads, hidden, sequential=sequential)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         heads.weight.copy_(torch.randn(heads.weight.shape, generator=g) * scale / hidden ** 0.5)
@@ -252,8 +252,9 @@ def _random_heads(path, num_heads: int, hidden: int, scale: float = 0.5):
     return path
 
 
-def test_medusa_passes_the_conformance_kit(kit_model, tmp_path):
-    heads = _random_heads(tmp_path / "heads.safetensors", 3, 32)
+@pytest.mark.parametrize("sequential", [False, True])
+def test_medusa_passes_the_conformance_kit(kit_model, tmp_path, sequential):
+    heads = _random_heads(tmp_path / "heads.safetensors", 3, 32, sequential=sequential)
     report = check_decoder("medusa", model_dir=kit_model, decoder_options={"heads": str(heads), "max_batch": 8})
     stats = report["stats"]
     assert stats["decoder_medusa_drafted"] > 5_000 and stats["decoder_medusa_accepted"] > 100
@@ -282,16 +283,19 @@ def test_training_medusa_heads_lowers_their_loss(make_llm, tiny_model_dir, tmp_p
     weight = load_file(tiny_model_dir / "model.safetensors")["lm_head.weight"].float()  # untied in the tiny model
     assert feats.tokens[0] == ids[0][len(prompts[0])]  # the token the last prompt position produced
     embedding = load_file(tiny_model_dir / "model.safetensors")["model.embed_tokens.weight"].float()
-    for token_input in (False, True):
+    for token_input, sequential in ((False, False), (True, False), (True, True)):
         heads, report = train_heads(feats, weight, 2, embedding=embedding if token_input else None,
-                                    epochs=30, lr=3e-3, batch_size=64)
-        assert heads.token_input is token_input
+                                    epochs=30, lr=3e-3, batch_size=64, sequential=sequential)
+        assert heads.token_input is token_input and heads.sequential is sequential
         assert report["last_loss"] < 0.7 * report["first_loss"]
         assert report["heldout_top1"][0] >= report["heldout_top1_untrained"][0]
         heads.save(tmp_path / "h.safetensors", "tiny")
-        loaded = MedusaHeads.load(tmp_path / "h.safetensors", 64)  # either kind loads as itself
-        assert loaded.token_input is token_input
+        loaded = MedusaHeads.load(tmp_path / "h.safetensors", 64)  # every kind loads as itself
+        assert loaded.token_input is token_input and loaded.sequential is sequential
         torch.testing.assert_close(loaded.weight, heads.weight.detach())
+    # a sequential head reads its branch: head 1 sees the true token t + 2 (head 0's target)
+    assert heads.weight.shape == (2, 64, 64 * 3)
+    assert torch.count_nonzero(heads.weight[0, :, 64 * 2:]) == 0  # head 0 reads [x; e_1] only
 
 
 def test_best_tree_is_the_best_closed_tree_of_its_size():
@@ -573,3 +577,39 @@ def test_medusa_draft_vocabulary(make_llm, tiny_model_dir, tmp_path, monkeypatch
     assert proposed and set(proposed) <= set(heads.vocab.tolist())
     rows = output_head_rows(llm.engine.runner.model, torch.tensor([0, 259]))
     torch.testing.assert_close(rows, weight[[0, 259]], rtol=0, atol=1e-6)
+
+
+def test_sequential_heads_guess_each_node_from_its_own_branch(make_llm, tmp_path, monkeypatch):
+    """With sequential heads a depth-2 node's token is head 1's best given its own parent's
+    token (not the best parent's), and greedy output stays the target's."""
+    from tokenloom.plugins.decoders.medusa import (
+        MedusaDecoder,
+        MedusaHeads,
+        normalise,
+        token_features,
+    )
+
+    path = _random_heads(tmp_path / "s.safetensors", 2, 64, scale=0.8, sequential=True)
+    tree = [[0], [1], [0, 0], [1, 0]]
+    seen = []
+    real = MedusaDecoder.propose
+
+    def spy(self, seqs, outputs, forward):
+        real(self, seqs, outputs, forward)
+        seen.append((list(seqs[0].draft_token_ids), list(seqs[0].draft_parents or []), forward, outputs[seqs[0]]))
+
+    monkeypatch.setattr(MedusaDecoder, "propose", spy)
+    llm = make_llm(decoder={"name": "medusa", "heads": str(path), "tree": tree})
+    got = llm.generate(["sequential heads"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    want = llm.generate(["sequential heads"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                             decoder="standard"))[0]
+    assert got.token_ids == want.token_ids
+    drafts, parents, fwd, out = seen[0]
+    assert parents == [-1, -1, 0, 1] and len(drafts) == 4
+    model, heads = llm.engine.runner.model, MedusaHeads.load(path, 64)
+    row = out.accepted_nodes[-1] + 1 if out.accepted_nodes else out.num_accepted
+    x = normalise(model, fwd.hidden[row:row + 1])
+    for node, parent in ((2, 0), (3, 1)):  # each child from its own parent's token
+        branch = torch.tensor([[out.token_ids[-1], drafts[parent]]])
+        h = heads.head(1, x, token_features(model.embed[branch]))
+        assert drafts[node] == int(model.lm_head.apply(h).argmax())

@@ -56,12 +56,19 @@ def default_heads_path(model_name: str) -> Path:
 class MedusaHeads(torch.nn.Module):
     """``num_heads`` residual blocks over the normalised hidden state: ``x + SiLU(W [x; e] + b)``,
     where ``e`` is the normalised embedding of the token that hidden state produced
-    (``token_input``; older heads read ``x`` alone)."""
+    (``token_input``; older heads read ``x`` alone). ``sequential`` heads (Hydra's
+    sequential dependence) read more: head ``i`` reads ``[x; e_1; ...; e_{i+1}]``, the token
+    produced and the i draft tokens before its own guess on the candidate's path, so each
+    node of the tree is guessed from its own branch (one head call per depth). Their
+    weights are stored padded to the widest head (``[H, d, d (H + 1)]``), head ``i`` using
+    the first ``d (i + 2)`` columns."""
 
-    def __init__(self, num_heads: int, hidden_size: int, token_input: bool = True):
+    def __init__(self, num_heads: int, hidden_size: int, token_input: bool = True, sequential: bool = False):
         super().__init__()
-        self.token_input = token_input
-        inputs = hidden_size * (2 if token_input else 1)
+        if sequential and not token_input:
+            raise ValueError("sequential heads read tokens: token_input must be on")
+        self.token_input, self.sequential = token_input, sequential
+        inputs = hidden_size * ((num_heads + 1) if sequential else (2 if token_input else 1))
         self.weight = torch.nn.Parameter(torch.zeros(num_heads, hidden_size, inputs))
         self.bias = torch.nn.Parameter(torch.zeros(num_heads, hidden_size))
         self.meta: dict = {}  # what train-medusa reported (held-out accuracies, ...)
@@ -72,12 +79,27 @@ class MedusaHeads(torch.nn.Module):
     def num_heads(self) -> int:
         return self.weight.shape[0]
 
+    def width(self, i: int) -> int:
+        """Input columns head ``i`` reads."""
+        d = self.weight.shape[1]
+        return d * (i + 2) if self.sequential else self.weight.shape[2]
+
     def forward(self, x: torch.Tensor, e: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [N, d]`` normalised hidden states, ``e [N, d]`` the token features of what each
-        produced (:func:`token_features`; only for ``token_input`` heads) -> ``[H, N, d]``."""
+        """``x [N, d]`` normalised hidden states; ``e`` the token features
+        (:func:`token_features`) of what each produced, ``[N, d]`` (``token_input`` heads), or
+        for ``sequential`` heads ``[N, H, d]``: that token, then the true next ones (training)
+        -> ``[H, N, d]``."""
+        if self.sequential:
+            return torch.stack([self.head(i, x, e[:, :i + 1]) for i in range(self.num_heads)])
         inp = torch.cat([x, e], dim=-1) if self.token_input else x
         z = torch.einsum("nk,hdk->hnd", inp, self.weight) + self.bias[:, None, :]
         return x[None] + torch.nn.functional.silu(z)
+
+    def head(self, i: int, x: torch.Tensor, e: torch.Tensor | None) -> torch.Tensor:
+        """Head ``i`` alone: ``x [N, d]``, ``e [N, k, d]`` (k = i + 1 tokens if sequential, else 1)."""
+        inp = x if e is None else torch.cat([x, e.flatten(1)], dim=-1)
+        z = inp @ self.weight[i, :, :inp.shape[1]].T + self.bias[i]
+        return x + torch.nn.functional.silu(z)
 
     def save(self, path: str | Path, model_name: str, meta: dict | None = None) -> None:
         from safetensors.torch import save_file
@@ -86,13 +108,14 @@ class MedusaHeads(torch.nn.Module):
         path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {}
         for i in range(self.num_heads):
-            tensors[f"medusa.{i}.weight"] = self.weight[i].detach().float().contiguous()
+            tensors[f"medusa.{i}.weight"] = self.weight[i, :, :self.width(i)].detach().float().contiguous()
             tensors[f"medusa.{i}.bias"] = self.bias[i].detach().float().contiguous()
         if self.vocab is not None:
             tensors["medusa.vocab"] = self.vocab.to(torch.int64).contiguous()
         save_file(tensors, str(path), metadata={"model": model_name, "num_heads": str(self.num_heads),
                                                "hidden_size": str(self.weight.shape[1]),
                                                "token_input": str(int(self.token_input)),
+                                               "sequential": str(int(self.sequential)),
                                                "tokenloom": json.dumps(meta or {})})
 
     @classmethod
@@ -105,14 +128,15 @@ class MedusaHeads(torch.nn.Module):
             if n < 1 or int(meta.get("hidden_size", -1)) != hidden_size:
                 raise ConfigError(f"{path}: Medusa heads for hidden size {meta.get('hidden_size')} "
                                   f"({n} heads); this model's is {hidden_size}")
-            heads = cls(n, hidden_size, token_input=meta.get("token_input", "0") == "1")
+            heads = cls(n, hidden_size, token_input=meta.get("token_input", "0") == "1",
+                        sequential=meta.get("sequential", "0") == "1")
             try:
                 heads.meta = json.loads(meta.get("tokenloom", "{}")) or {}
             except ValueError:
                 heads.meta = {}
             with torch.no_grad():
                 for i in range(n):
-                    heads.weight[i].copy_(f.get_tensor(f"medusa.{i}.weight"))
+                    heads.weight[i, :, :heads.width(i)].copy_(f.get_tensor(f"medusa.{i}.weight"))
                     heads.bias[i].copy_(f.get_tensor(f"medusa.{i}.bias"))
             if "medusa.vocab" in f.keys():
                 heads.vocab = f.get_tensor("medusa.vocab").to(torch.int64)
@@ -274,21 +298,14 @@ class MedusaDecoder(SharedStepDecoder):
                                             else outputs[seq].num_accepted) for seq, _ in want],
                             device=forward.hidden.device)
         x = normalise(model, forward.hidden[rows])
-        e = None
-        if self.heads.token_input:  # the token each of those rows produced: the step's last
-            last = torch.tensor([outputs[seq].token_ids[-1] for seq, _ in want], device=model.embed.device)
-            e = token_features(model.embed[last])
-        h = self.heads(x, e)  # [H, S, d]
-        if self.vocab_head is not None:  # [H, S, K] over the draft vocabulary
-            logits = torch.nn.functional.linear(h.reshape(-1, h.shape[-1]).to(self.vocab_head.dtype), self.vocab_head)
-            logits = logits.view(self.heads.num_heads, len(want), -1)
-        else:
-            logits = model.lm_head.apply(h.reshape(-1, h.shape[-1]).to(model.dtype)).float()
-            logits = logits.view(self.heads.num_heads, len(want), -1)
+        last = [outputs[seq].token_ids[-1] for seq, _ in want]  # the token each of those rows produced
         ranks = 1 + max((max(p) for p in self.paths), default=0)
-        top = logits.topk(ranks, dim=-1).indices
-        if self.vocab is not None:
-            top = self.vocab[top]
+        if self.heads.sequential:
+            self._propose_by_depth(want, x, last, ranks)
+            return
+        e = token_features(model.embed[torch.tensor(last, device=model.embed.device)]) if self.heads.token_input else None
+        h = self.heads(x, e)  # [H, S, d]
+        top = self._top(h.reshape(-1, h.shape[-1]), ranks).view(self.heads.num_heads, len(want), ranks)
         top = top.transpose(0, 1).tolist()  # [S][H][ranks]
         for (seq, k), guesses in zip(want, top, strict=True):
             if not self.paths:
@@ -297,6 +314,40 @@ class MedusaDecoder(SharedStepDecoder):
             keep = [i for i, p in enumerate(self.paths) if len(p) <= k]  # a prefix: paths go depth by depth
             seq.draft_token_ids = [guesses[len(self.paths[i]) - 1][self.paths[i][-1]] for i in keep]
             seq.draft_parents = [self.parents[i] for i in keep]
+
+    def _top(self, h: torch.Tensor, ranks: int) -> torch.Tensor:
+        """The ``ranks`` best token ids for each head state ``h [N, d]`` -> ``[N, ranks]``."""
+        if self.vocab_head is not None:  # over the draft vocabulary
+            logits = torch.nn.functional.linear(h.to(self.vocab_head.dtype), self.vocab_head)
+        else:
+            logits = self.runner.model.lm_head.apply(h.to(self.runner.model.dtype))
+        top = logits.topk(ranks, dim=-1).indices
+        return self.vocab[top] if self.vocab is not None else top
+
+    def _propose_by_depth(self, want: list, x: torch.Tensor, last: list[int], ranks: int) -> None:
+        """Sequential heads: depth by depth, each node's children guessed by the next head
+        from the node's own branch (the chain: each depth's best)."""
+        model = self.runner.model
+        paths = self.paths or [(0,) * (d + 1) for d in range(self.heads.num_heads)]
+        tokens: list[dict[tuple, int]] = [{} for _ in want]  # per sequence: path -> its token
+        for depth in range(1, max(map(len, paths)) + 1):
+            # the nodes whose children this depth holds: (sequence, parent path) pairs
+            parents = sorted({p[:-1] for p in paths if len(p) == depth})
+            rows = [(s, q) for s, (_, k) in enumerate(want) if depth <= k for q in parents]
+            if not rows:
+                break
+            branch = torch.tensor([[last[s], *(tokens[s][q[:j]] for j in range(1, depth))] for s, q in rows],
+                                  device=model.embed.device)  # [R, depth] token ids
+            h = self.heads.head(depth - 1, x[torch.tensor([s for s, _ in rows], device=x.device)],
+                                token_features(model.embed[branch]))
+            for (s, q), guesses in zip(rows, self._top(h, ranks).tolist(), strict=True):
+                for p in paths:
+                    if len(p) == depth and p[:-1] == q:
+                        tokens[s][p] = guesses[p[-1]]
+        for s, (seq, k) in enumerate(want):
+            keep = [i for i, p in enumerate(paths) if len(p) <= k]
+            seq.draft_token_ids = [tokens[s][paths[i]] for i in keep]
+            seq.draft_parents = [self.parents[i] for i in keep] if self.paths else None
 
 
 @hookimpl

@@ -148,11 +148,13 @@ def collect_features(llm, conversations: list[list[int]], prompt_lens: list[int]
 
 def train_heads(feats: Features, head_weight: torch.Tensor, num_heads: int, *, embedding: torch.Tensor | None = None,
                 epochs: int = 2, lr: float = 1e-3, batch_size: int = 256, holdout: float = 0.1, seed: int = 0,
-                compute_dtype: torch.dtype = torch.float32, draft_vocab: int = 8192,
+                compute_dtype: torch.dtype = torch.float32, draft_vocab: int = 8192, sequential: bool = False,
                 progress: Callable[[int, int], None] | None = None) -> tuple[MedusaHeads, dict]:
     """Train ``num_heads`` heads on ``feats`` through the frozen ``head_weight [V, d]``;
     with the input ``embedding [V, d]`` they also read the token each state produced
-    (``token_input``; without, the hidden state alone). Returns the heads and a report
+    (``token_input``; without, the hidden state alone), and ``sequential`` heads the true
+    tokens before their own (teacher forcing: their held-out accuracy is conditional on a
+    right branch, as the tree uses them). Returns the heads and a report
     (loss, held-out accuracy per head and rank); the heads keep the ``draft_vocab`` tokens
     most frequent in the answers (:func:`frequent_tokens`; 0: none). The output-head matmul, most of the work,
     runs in ``compute_dtype`` (the model's dtype: bf16 where the CPU has it); the heads and
@@ -162,11 +164,18 @@ def train_heads(feats: Features, head_weight: torch.Tensor, num_heads: int, *, e
     held = set(torch.randperm(n_groups, generator=g)[: max(1, int(n_groups * holdout))].tolist())
     is_held = torch.tensor([int(c) in held for c in feats.group])
     train_idx, test_idx = torch.nonzero(~is_held).flatten(), torch.nonzero(is_held).flatten()
-    heads = MedusaHeads(num_heads, feats.x.shape[1], token_input=embedding is not None)
+    heads = MedusaHeads(num_heads, feats.x.shape[1], token_input=embedding is not None, sequential=sequential)
     E = embedding.detach().float() if embedding is not None else None
 
     def head_states(b: torch.Tensor) -> torch.Tensor:
-        return heads(feats.x[b], token_features(E[feats.tokens[b]]) if E is not None else None)
+        if E is None:
+            return heads(feats.x[b], None)
+        if not sequential:
+            return heads(feats.x[b], token_features(E[feats.tokens[b]]))
+        # teacher forcing: head i reads the token produced and the i true tokens after it
+        # (past a conversation's end: zeros; that head's label is ignored there anyway)
+        toks = torch.cat([feats.tokens[b, None], feats.labels[b, :num_heads - 1]], dim=1)  # [B, H]
+        return heads(feats.x[b], token_features(E[toks.clamp_min(0)]) * (toks >= 0)[..., None])
 
     opt = torch.optim.Adam(heads.parameters(), lr=lr)
     W = head_weight.detach().float()
