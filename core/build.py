@@ -158,9 +158,11 @@ def _start_executor(config: EngineConfig, pm: PluginManager, device, threads: in
 
         if dist.is_initialized():
             dist.destroy_process_group()
+        gone = [f"rank {r} exited with code {p.returncode}" for r, p in enumerate(workers, start=1)
+                if p.poll() is not None]  # before the rest are killed: those exited on their own
         for p in workers:
             p.kill()
-        gone = [f"rank {r} exited with code {p.wait()}" for r, p in enumerate(workers, start=1) if p.poll() is not None]
+            p.wait()
         raise ConfigError(f"tensor parallelism: the {world} ranks did not meet within {e.distributed_timeout_s:g} s "
                           f"({'; '.join(gone) or type(exc).__name__}): {exc}") from exc
     tp = TensorParallel(0, world, groups.model)
