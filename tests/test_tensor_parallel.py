@@ -310,3 +310,63 @@ async def test_a_rank_lost_while_idle_shows_in_health_at_once(tiny_model_dir):
         await engine.shutdown()
         engine.close()
         engine.close()
+
+
+async def test_serve_with_two_ranks_answers_and_leaves_no_rank_behind(tiny_model_dir):
+    """`tokenloom serve --tensor-parallel-size 2` as a real process: it answers over the
+    WebSocket, exits 0 on SIGTERM, and its rank-1 process is gone after."""
+    import re
+
+    from tokenloom.protocols.client import Client
+
+    from conftest import collect
+
+    env = {**os.environ, "TOKENLOOM_LOG_FORMAT": "json"}
+    proc = subprocess.Popen([sys.executable, "-m", "tokenloom.protocols.cli", "serve", "--model", str(tiny_model_dir),
+                             "--dtype", "float32", "--num-kv-blocks", "64", "--port", "0", "--frontends", "websocket",
+                             "--tensor-parallel-size", "2", "--shutdown-deadline", "0.2"],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    try:
+        url = None
+        for line in proc.stderr:
+            m = re.search(r"(ws://127\.0\.0\.1:\d+)", line)
+            if m:
+                url = m.group(1)
+                break
+        assert url, "server did not start"
+        ranks = _rank_processes(proc.pid)
+        assert len(ranks) == 1
+        async with Client(url) as client:
+            _, final, _ = await collect(client, "two ranks", params={"temperature": 0, "max_tokens": 6})
+            assert final.finish_reason in ("length", "stop") and final.usage.completion_tokens >= 1
+        proc.send_signal(signal.SIGTERM)
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(None, lambda: proc.wait(timeout=60)) == 0
+        assert not _alive(ranks[0])  # (an orphan would have a new parent: look it up by pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _rank_processes(parent: int) -> list[int]:
+    """Live `python -m tokenloom.core.executor` children of ``parent`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            cmd = open(f"/proc/{entry}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if int(stat[1]) == parent and stat[0] != "Z" and b"tokenloom.core.executor" in cmd:
+            found.append(int(entry))
+    return found
