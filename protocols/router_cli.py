@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import re
 import signal
@@ -207,6 +208,8 @@ def cmd_serve_data_parallel(args: argparse.Namespace) -> int:
                 print("every replica has exited; stopping", file=sys.stderr, flush=True)
                 return 1
             all_exited.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await all_exited  # retrieved: a cancelled gather left alone logs a traceback at exit
             return 0
         finally:
             await _stop_children(children, args.shutdown_deadline)
