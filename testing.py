@@ -156,7 +156,7 @@ def exact_marginals(llm, prompt: list[int], params, depth: int) -> list[torch.Te
     from tokenloom.plugins.decoders.verify import RowContext, target_probs
 
     engine = llm.engine
-    runner, cache = engine.runner, engine.cache
+    runner, cache = engine.executor, engine.cache
     from tokenloom.core.sampling_params import SamplingParams
     from tokenloom.core.sequence import Sequence
 
@@ -169,7 +169,7 @@ def exact_marginals(llm, prompt: list[int], params, depth: int) -> list[torch.Te
         finally:
             cache.free(seq)
         row = RowContext(params, list(ids), len(prompt), -1)
-        return target_probs(runner.sampler, logits.float(), [row])[0].double()
+        return target_probs(engine.runner.sampler, logits.float(), [row])[0].double()
 
     marginals = []
     frontier = [(list(prompt), 1.0)]
