@@ -75,6 +75,7 @@ def engine_stats(cs, scheduler, c: EngineCounters, decoder_stats: dict | None = 
         "kv_usage": cs.usage, "kv_blocks_used": cs.num_used_blocks, "kv_blocks_cached": cs.num_cached_blocks,
         "kv_blocks_free": cs.num_free_blocks, "kv_blocks_total": cs.num_blocks,
         "kv_waste": cs.waste, "prefix_hit_rate": cs.hit_rate, "prefix_cached_blocks": cs.num_cached_blocks,
+        "prefix_queries": cs.prefix_queries, "prefix_hits": cs.prefix_hits,
         "prefix_evictions": cs.num_evictions, "preemptions": c.preemptions,
         "steps": c.steps, "generated_tokens": c.generated_tokens, "prompt_tokens": c.prompt_tokens,
         "finished_requests": c.finished_requests, "peak_kv_usage": c.peak_kv_usage,

@@ -237,8 +237,12 @@ class Router:
                              "routed": sum(r.routed.values()), "cache_routed": r.routed["cache"],
                              "load_routed": r.routed["load"], "failed": r.failed, "index_chars": r.index.chars,
                              "prefix_hit_rate": engine.get("prefix_hit_rate"),
+                             "prefix_queries": engine.get("prefix_queries"), "prefix_hits": engine.get("prefix_hits"),
                              "prompt_tokens": engine.get("prompt_tokens")})
+        queries = sum(r["prefix_queries"] or 0 for r in replicas)
         return {"replicas": replicas, "match_rate": self.match_rate, "prompt_chars": self.prompt_chars,
+                # the replicas' prefix caches together: tokens found / tokens looked up
+                "prefix_hit_rate": sum(r["prefix_hits"] or 0 for r in replicas) / queries if queries else None,
                 "matched_chars": self.matched_chars, "cache_threshold": self.options.cache_threshold,
                 "balance_abs_threshold": self.options.balance_abs_threshold}
 
