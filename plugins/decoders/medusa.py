@@ -270,8 +270,11 @@ class MedusaDecoder(SharedStepDecoder):
         self.vocab = self.vocab_head = None
         if o.draft_vocab is not None and o.draft_vocab < 0:
             raise ConfigError(f"decoder.draft_vocab must be >= 0, got {o.draft_vocab}")
-        if self.heads.vocab is not None and o.draft_vocab != 0:
-            vocab = self.heads.vocab[: o.draft_vocab] if o.draft_vocab is not None else self.heads.vocab
+        ranks = 1 + max((max(p) for p in self.paths), default=0)  # the widest choice a node makes
+        vocab = self.heads.vocab
+        if vocab is not None and o.draft_vocab is not None:
+            vocab = vocab[: o.draft_vocab]
+        if vocab is not None and o.draft_vocab != 0 and len(vocab) >= ranks:
             self.vocab = vocab.to(self.runner.device)
             # bf16 where the hardware has it (a 4-row GEMM in fp32 ran at a third of bf16's
             # speed here): drafts need no more, exactness comes from verification
