@@ -22,17 +22,14 @@ from tokenloom.protocols.gateway import RateLimited, Refused
 from tokenloom.protocols.messages import (
     PROTOCOL_VERSION,
     Accepted,
-    Cancel,
     Done,
     Error,
     Generate,
     Limits,
     LogprobOut,
     MetricsOut,
-    Ping,
-    Pong,
     Session,
-    decode_client,
+    dispatch_client_frame,
 )
 from tokenloom.protocols.outbound import OutboundQueue, drain, send_queued
 from tokenloom.protocols.ratelimit import RateLimiter
@@ -85,18 +82,7 @@ class Connection:
             self.out.put(Error(code="internal_error", message="the server failed to handle this frame"))
 
     def _dispatch(self, frame: str | bytes) -> None:
-        if isinstance(frame, bytes):
-            self.out.put(Error(code="binary_not_supported", message="send JSON text frames"))
-            return
-        msg = decode_client(frame)
-        if isinstance(msg, Error):
-            self.out.put(msg)
-        elif isinstance(msg, Ping):
-            self.out.put(Pong(data=msg.data))
-        elif isinstance(msg, Cancel):
-            self._cancel(msg.id)
-        elif isinstance(msg, Generate):
-            self._generate(msg)
+        dispatch_client_frame(frame, self.out.put, self._generate, self._cancel)
 
     def _generate(self, msg: Generate) -> None:
         o, rid = self.server.options, msg.id

@@ -8,6 +8,7 @@ Invariants: every accepted request ends in exactly one ``done``; the concatenate
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgspec
@@ -127,6 +128,25 @@ def encode(msg: msgspec.Struct) -> str:
 
 def decode_server(data: str | bytes) -> ServerMessage:
     return _server_decoder.decode(data)
+
+
+def dispatch_client_frame(frame: str | bytes, put: Callable[[Any], None], on_generate: Callable[[Generate], None],
+                          on_cancel: Callable[[str], None]) -> None:
+    """One client frame, as a server and the router both take it: a binary frame or a bad
+    message is answered with an :class:`Error`, a ping with a pong (``put`` queues the
+    answer); a ``generate`` or ``cancel`` goes to its handler."""
+    if isinstance(frame, bytes):
+        put(Error(code="binary_not_supported", message="send JSON text frames"))
+        return
+    msg = decode_client(frame)
+    if isinstance(msg, Error):
+        put(msg)
+    elif isinstance(msg, Ping):
+        put(Pong(data=msg.data))
+    elif isinstance(msg, Cancel):
+        on_cancel(msg.id)
+    elif isinstance(msg, Generate):
+        on_generate(msg)
 
 
 def decode_client(data: str | bytes) -> ClientMessage | Error:

@@ -16,13 +16,10 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from tokenloom.protocols.messages import (
-    Cancel,
     Error,
     Generate,
-    Ping,
-    Pong,
     Session,
-    decode_client,
+    dispatch_client_frame,
 )
 from tokenloom.protocols.outbound import OutboundQueue, drain, send_queued
 from tokenloom.protocols.router_upstream import Pending
@@ -57,18 +54,7 @@ class ClientConnection:
             writer.cancel()
 
     def _on_frame(self, frame: str | bytes) -> None:
-        if isinstance(frame, bytes):
-            self.out.put(Error(code="binary_not_supported", message="send JSON text frames"))
-            return
-        msg = decode_client(frame)
-        if isinstance(msg, Error):
-            self.out.put(msg)
-        elif isinstance(msg, Ping):
-            self.out.put(Pong(data=msg.data))
-        elif isinstance(msg, Cancel):
-            self._cancel(msg.id)
-        elif isinstance(msg, Generate):
-            self._generate(msg)
+        dispatch_client_frame(frame, self.out.put, self._generate, self._cancel)
 
     def _generate(self, msg: Generate) -> None:
         rid = msg.id
