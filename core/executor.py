@@ -90,9 +90,6 @@ class UniprocExecutor:
     def prefill_hidden(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
         return self.driver.prefill_hidden(token_ids, block_table)
 
-    def describe(self) -> dict[str, Any]:
-        return {"executor": self.name, "tensor_parallel_size": 1}
-
     def close(self) -> None:
         pass
 
@@ -173,9 +170,6 @@ class MultiprocExecutor(UniprocExecutor):
 
     def prefill_hidden(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
         return self._run("prefill_hidden", token_ids, block_table)
-
-    def describe(self) -> dict[str, Any]:
-        return {"executor": self.name, "tensor_parallel_size": self.world_size, "failed": self.failed}
 
     def close(self) -> None:
         """Stop every rank (they leave their loop), then reap what this engine started."""
