@@ -125,6 +125,25 @@ async def make_server(tiny_model_dir):
         server.engine.close()
 
 
+def start_serve_process(*args: str):
+    """``tokenloom serve ARGS`` as a real process: (process, its WebSocket URL), read from the
+    banner on its stderr (the process keeps running; the caller ends it)."""
+    import re
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TOKENLOOM_LOG_FORMAT": "json"}
+    proc = subprocess.Popen([sys.executable, "-m", "tokenloom.protocols.cli", "serve", *args],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    for line in proc.stderr:
+        m = re.search(r"(ws://127\.0\.0\.1:\d+)", line)
+        if m:
+            return proc, m.group(1)
+    proc.kill()
+    proc.wait()
+    raise AssertionError("server did not start")
+
+
 async def collect(client, prompt=None, **kw):
     """Run one request through a protocol Client: (text, final event, all events)."""
     from tokenloom.protocols.messages import Delta

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import re
 import signal
 import subprocess
 import sys
@@ -14,23 +12,15 @@ import pytest
 from tokenloom.protocols.client import Client
 from tokenloom.protocols.messages import Delta
 
+from conftest import start_serve_process
+
 CLI = [sys.executable, "-m", "tokenloom.protocols.cli"]
 
 
 @pytest.fixture
 def serve_process(tiny_model_dir):
-    env = {**os.environ, "TOKENLOOM_LOG_FORMAT": "json"}
-    proc = subprocess.Popen([*CLI, "serve", "--model", str(tiny_model_dir), "--dtype", "float32",
-                             "--num-kv-blocks", "128", "--port", "0", "--openai-port", "0",
-                             "--shutdown-deadline", "0.2"],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-    url = None
-    for line in proc.stderr:
-        m = re.search(r"(ws://127\.0\.0\.1:\d+)", line)
-        if m:
-            url = m.group(1)
-            break
-    assert url, "server did not start"
+    proc, url = start_serve_process("--model", str(tiny_model_dir), "--dtype", "float32", "--num-kv-blocks", "128",
+                                    "--port", "0", "--openai-port", "0", "--shutdown-deadline", "0.2")
     yield proc, url
     if proc.poll() is None:
         proc.kill()

@@ -22,7 +22,7 @@ from tokenloom.core.parallel import TensorParallel, split_evenly, take_columns
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.core.weights import QuantizedWeight
 
-from conftest import TINY_VOCAB, _byte_tokenizer, tiny_engine_kwargs
+from conftest import TINY_VOCAB, _byte_tokenizer, start_serve_process, tiny_engine_kwargs
 
 CFG = ModelConfig(vocab_size=101, hidden_size=96, intermediate_size=70, num_layers=1, num_heads=6, num_kv_heads=3,
                   head_dim=16)
@@ -315,25 +315,15 @@ async def test_a_rank_lost_while_idle_shows_in_health_at_once(tiny_model_dir):
 async def test_serve_with_two_ranks_answers_and_leaves_no_rank_behind(tiny_model_dir):
     """`tokenloom serve --tensor-parallel-size 2` as a real process: it answers over the
     WebSocket, exits 0 on SIGTERM, and its rank-1 process is gone after."""
-    import re
 
     from tokenloom.protocols.client import Client
 
     from conftest import collect
 
-    env = {**os.environ, "TOKENLOOM_LOG_FORMAT": "json"}
-    proc = subprocess.Popen([sys.executable, "-m", "tokenloom.protocols.cli", "serve", "--model", str(tiny_model_dir),
-                             "--dtype", "float32", "--num-kv-blocks", "64", "--port", "0", "--frontends", "websocket",
-                             "--tensor-parallel-size", "2", "--shutdown-deadline", "0.2"],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    proc, url = start_serve_process("--model", str(tiny_model_dir), "--dtype", "float32", "--num-kv-blocks", "64",
+                                    "--port", "0", "--frontends", "websocket", "--tensor-parallel-size", "2",
+                                    "--shutdown-deadline", "0.2")
     try:
-        url = None
-        for line in proc.stderr:
-            m = re.search(r"(ws://127\.0\.0\.1:\d+)", line)
-            if m:
-                url = m.group(1)
-                break
-        assert url, "server did not start"
         ranks = _rank_processes(proc.pid)
         assert len(ranks) == 1
         async with Client(url) as client:
