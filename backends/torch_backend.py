@@ -24,9 +24,10 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
-from tokenloom.backends.torch_linear import pack
+from tokenloom.backends.torch_linear import pack, step_linear
 from tokenloom.core.attention import AttentionInputs
 from tokenloom.core.hookspecs import hookimpl
+from tokenloom.core.interfaces import DecodeModel
 from tokenloom.core.models.llama import apply_rope
 
 
@@ -354,6 +355,46 @@ class TorchBackend:
     def silu_mul(self, gate, up):
         # (a C++ silu*up measured 2-6x slower than these two vectorised torch ops: not used)
         return F.silu(gate) * up
+
+    def capture_decode(self, model: DecodeModel) -> CppDecodeStep | None:
+        """On CPU with the C++ ops built: the whole decode step in one C++ call
+        (kernels/cpu_ops.py ``DecodeStep``), the same ops in the same order as the model's
+        Python, so the same output. None where a weight's kernel has no C++ mirror."""
+        if self.fused_decode is None:
+            return None
+        ops = self.fused_decode
+        layers = []
+        for layer in model.layers:
+            linears = [step_linear(lw, ops) for lw in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            if any(lin is None for lin in linears):
+                return None
+            layers.append(linears)
+        step = ops.DecodeStep(model.embed, model.cos, model.sin, [lyr.input_norm for lyr in model.layers],
+                              [lyr.post_norm for lyr in model.layers], *(list(col) for col in zip(*layers, strict=True)),
+                              model.num_heads, model.rms_norm_eps, model.head_dim**-0.5, model.dtype)
+        return CppDecodeStep(step, model.dtype)
+
+
+class CppDecodeStep:
+    """The captured decode step (``TorchBackend.capture_decode``): runs a pure decode step on
+    plain KV pools of the model dtype, and returns None for any other step."""
+
+    def __init__(self, step, dtype: torch.dtype):
+        self.step, self.dtype = step, dtype
+        self._bound = None  # the kv_caches list the C++ step holds
+        self.steps = 0  # steps it ran (the rest ran op by op)
+
+    def __call__(self, input_ids, positions, kv_caches, meta: TorchAttnMeta):
+        if meta.prefills or meta.decode_tables is None or meta.decode_rows.numel() != input_ids.numel():
+            return None
+        if kv_caches is not self._bound:
+            k0 = kv_caches[0][0]
+            if isinstance(k0, QuantizedKV) or k0.dtype != self.dtype:
+                return None
+            self.step.bind([k for k, _ in kv_caches], [v for _, v in kv_caches])
+            self._bound = kv_caches
+        self.steps += 1
+        return self.step.run(input_ids, positions, meta.slot_mapping, meta.decode_tables, meta.decode_lens)
 
 
 def _padded_decode(meta: TorchAttnMeta, block_size: int) -> TorchAttnMeta:

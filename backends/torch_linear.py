@@ -250,6 +250,27 @@ def _dense(weight: torch.Tensor, cpu_linear: str, label: str):
     return DenseLinear(weight, label + "F.linear")
 
 
+def step_linear(lw, ops):
+    """``lw`` as the C++ decode step's ``StepLinear`` (kernels/cpu_ops.py): the same kernel
+    choice, kind by kind, made in C++; None for a kind it does not mirror."""
+    none = torch.empty(0)
+    if isinstance(lw, DenseLinear):
+        return ops.StepLinear(0, lw.weight, none, 0, 0, None)
+    if isinstance(lw, PackedLinear):
+        return ops.StepLinear(3, lw.wt if lw.wt is not None else none, lw.onednn if lw.onednn is not None else none,
+                              0, lw.max_rows, None)
+    if isinstance(lw, (Int4Linear, Int8Linear)):
+        dense = None
+        if lw.dense is not None:
+            dense = step_linear(lw.dense, ops)
+            if dense is None:
+                return None
+        if isinstance(lw, Int4Linear):
+            return ops.StepLinear(1, lw.packed, lw.scales_zeros, lw.group_size, lw.max_rows, dense)
+        return ops.StepLinear(2, lw.weight, lw.scales, 0, lw.max_rows, dense)
+    return None
+
+
 def _device(spec) -> torch.device:
     return spec.codes.device if isinstance(spec, QuantizedWeight) else spec.data.device
 

@@ -185,6 +185,11 @@ class TritonBackend(TorchBackend):
             return super().add_rms_norm(h, delta, weight, eps, dtype)
         return self.kernels.add_rms_norm(h, delta, weight, eps, dtype, in_place=True)
 
+    def capture_decode(self, model):
+        """No captured step yet: every step runs its kernels op by op (a CUDA graph of the
+        decode step per batch-size bucket is the way to add one)."""
+        return None
+
     def pack_linear(self, spec, dtype):
         """4-bit weights (GPTQ, AWQ, RTN; act-order too) and fp8 weights get the Triton
         kernels; dense and 8-bit ones the torch backend's matmuls."""

@@ -88,7 +88,7 @@ def load_second_model(config: EngineConfig, pm: PluginManager, backend, device, 
     q = pm.get("quantizer", method).factory(None)
     max_len = min(e.max_model_len or ckpt.config.max_position_embeddings, ckpt.config.max_position_embeddings)
     runner = ModelRunner(ckpt, backend=backend, quantizer=q, dtype=torch_dtype, device=device,
-                         block_size=e.block_size, max_model_len=max_len, seed=e.seed + 1)
+                         block_size=e.block_size, max_model_len=max_len, seed=e.seed + 1, capture=e.capture)
     runner.allocate_kv_cache(num_kv_blocks)
     cache = pm.get("cache_manager", "paged").factory(PagedOptions(enable_prefix_caching=False), num_kv_blocks,
                                                      e.block_size)
@@ -121,7 +121,8 @@ def build_runner(config: EngineConfig, pm: PluginManager, tp: TensorParallel, de
     method = config.quantizer.name if config.quantizer is not None else (ckpt.quant_method or "none")
     quantizer = pm.get("quantizer", method).factory(config.quantizer.options if config.quantizer else None)
     runner = ModelRunner(ckpt, backend=backend, quantizer=quantizer, dtype=dtype, device=device,
-                         block_size=e.block_size, max_model_len=max_model_len, seed=e.seed, tp=tp)
+                         block_size=e.block_size, max_model_len=max_model_len, seed=e.seed, tp=tp,
+                         capture=e.capture)
     return LoadedRunner(runner, tokenizer, mcfg, name, fmt, method, max_model_len)
 
 
@@ -217,6 +218,6 @@ def _build_rest(config: EngineConfig, pm: PluginManager, loaded: LoadedRunner, e
     decoder = pm.get("decoder", config.decoder.name).factory(config.decoder.options, context)
     log.info("engine_built", model=name, format=loaded.format, quantization=loaded.quantization, device=str(device),
              dtype=str(dtype), num_kv_blocks=num_blocks, block_size=e.block_size, max_model_len=loaded.max_model_len,
-             tensor_parallel_size=executor.world_size,
+             tensor_parallel_size=executor.world_size, captured_step=runner.captured,
              **{role: strategy for role, strategy in config.selection().items()})
     return EngineParts(loaded.tokenizer, mcfg, name, loaded.max_model_len, runner, cache, scheduler, decoder, executor)

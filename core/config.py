@@ -59,6 +59,9 @@ class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     restart_backoff_s: float = 0.5  # first wait before restarting the step loop; doubles per failure
     # publish a step's outputs (detokenise, stream, time, log) while the next step runs
     overlap: bool = True
+    # run each pure decode step as the backend's captured step (torch on CPU: the whole step in
+    # one C++ call, backends/torch_backend.py); false runs every step op by op from Python
+    capture: bool = True
     # Tensor parallelism (core/parallel.py, core/executor.py): ranks the model is split over;
     # under torchrun, the processes torchrun started. A hung rank fails the engine after
     # distributed_timeout_s.

@@ -328,6 +328,49 @@ class Backend(Protocol):
 
     def silu_mul(self, gate, up): ...
 
+    def capture_decode(self, model: DecodeModel) -> CapturedStep | None:
+        """Called once after the weights are packed (and not under tensor parallelism, nor
+        with the engine's ``capture`` off): a whole decode step this backend runs without
+        Python between ops (a C++ step on CPU; CUDA graphs would belong here), or None where
+        it has none. Its output must equal the op-by-op path's."""
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLayer:
+    """One LLaMA layer's weights as the backend packed them (``LinearWeight``s) and its two
+    float32 RMSNorm weights."""
+
+    input_norm: Any
+    qkv: LinearWeight
+    o: LinearWeight
+    post_norm: Any
+    gate_up: LinearWeight
+    down: LinearWeight
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeModel:
+    """What a backend needs to run a LLaMA model's decode step itself: the embedding (model
+    dtype), float32 RoPE tables ``[max_len, head_dim]``, the layers and their shapes. The
+    step adds the residual stream in float32 and returns it before the final norm, as
+    ``LlamaModel.forward`` does."""
+
+    embed: Any
+    cos: Any
+    sin: Any
+    layers: tuple[DecodeLayer, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    dtype: Any
+
+
+class CapturedStep(Protocol):
+    def __call__(self, input_ids, positions, kv_caches, meta) -> Any:
+        """The final hidden states ``[T, hidden]`` float32 of a step, or None when this step
+        is not one it covers (a prefill in it, an 8-bit KV pool): the model then runs op by op."""
+
 
 @dataclass(frozen=True, slots=True)
 class FrontendContext:

@@ -56,16 +56,18 @@ def pick_device(device: str) -> torch.device:
 class ModelRunner:
     def __init__(self, checkpoint: LoadedCheckpoint, *, backend, quantizer, dtype: torch.dtype,
                  device: torch.device, block_size: int, max_model_len: int, seed: int = 0,
-                 tp: TensorParallel | None = None):
+                 tp: TensorParallel | None = None, capture: bool = True):
         """Build the model on ``device`` and load it (each matmul through ``quantizer``,
-        packed by ``backend``; with ``tp``, this rank's share of it). The KV pool comes
-        after: :meth:`allocate_kv_cache`."""
+        packed by ``backend``; with ``tp``, this rank's share of it); with ``capture``, ask
+        the backend for a captured decode step. The KV pool comes after:
+        :meth:`allocate_kv_cache`."""
         self.tp = tp or TensorParallel()
         self.cfg = self.tp.local_config(checkpoint.config)  # this rank's heads: its KV pool's shape
         self.backend, self.dtype, self.device = backend, dtype, device
         self.block_size, self.max_model_len = block_size, max_model_len
         self.model = LlamaModel(checkpoint.config, dtype, backend, max_model_len, self.tp).to(device)
         self.model.load_weights(checkpoint.weights, quantizer, checkpoint.quant_config)  # takes (empties) the checkpoint's tensors
+        self.captured = capture and self.model.capture()
         self.num_blocks = 0
         self.kv_caches: list = []
         self.sampler = Sampler(seed, device)

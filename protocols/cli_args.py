@@ -29,6 +29,7 @@ ENGINE_FLAGS = {
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "chunked_prefill": "scheduler.enable_chunked_prefill",
     "overlap": "overlap",
+    "capture": "capture",
     "tensor_parallel_size": "tensor_parallel_size",
 }
 
@@ -56,6 +57,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="publish each step's output while the next step runs (default on)")
+    g.add_argument("--capture", action=argparse.BooleanOptionalAction, default=None,
+                   help="run a decode step as the backend's captured step, no Python between ops "
+                        "(default on; --no-capture is vLLM's --enforce-eager)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="N",
                    help="split the model over N ranks (processes; gloo on CPUs, NCCL on GPUs)")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

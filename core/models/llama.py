@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenloom.core.interfaces import Quantizer
+from tokenloom.core.interfaces import CapturedStep, DecodeLayer, DecodeModel, Quantizer
 from tokenloom.core.models.config import ModelConfig
 from tokenloom.core.parallel import TensorParallel
 from tokenloom.core.weights import (
@@ -98,10 +98,29 @@ class LlamaModel(nn.Module):
         cos, sin = rope_cache(cfg, max_len, "cpu")
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        self.captured: CapturedStep | None = None  # the backend's whole decode step (capture())
+
+    def capture(self) -> bool:
+        """Ask the backend for a captured decode step over the loaded weights (one rank only:
+        the captured step has no all-reduce). True when it gave one."""
+        if self.tp.enabled:
+            return False
+        cfg = self.layers[0].cfg
+        layers = tuple(DecodeLayer(lyr.input_norm, lyr.qkv, lyr.o, lyr.post_norm, lyr.gate_up, lyr.down)
+                       for lyr in self.layers)
+        self.captured = self.backend.capture_decode(DecodeModel(
+            self.embed, self.cos, self.sin, layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.rms_norm_eps, self.dtype))
+        return self.captured is not None
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        """input_ids, positions: [T]; returns the final hidden states [T, hidden] (float32)."""
+        """input_ids, positions: [T]; returns the final hidden states [T, hidden] (float32).
+        A pure decode step goes to the captured step when there is one."""
+        if self.captured is not None:
+            hidden = self.captured(input_ids, positions, kv_caches, meta)
+            if hidden is not None:
+                return hidden
         h, delta = self.tp.embed(self.embed, input_ids, self.cfg), None  # a copy: the stream is ours to update
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):

@@ -28,6 +28,7 @@ def add_bench_parser(sub) -> None:
     dec.add_argument("--gen", type=int, default=128, help="tokens generated per sequence")
     dec.add_argument("--quantizers", help="compare quantizers in one run, e.g. gguf,none (default: as configured)")
     dec.add_argument("--dtypes", help="compare dtypes in one run, e.g. auto,float32")
+    dec.add_argument("--capture-modes", help="compare the captured decode step with op-by-op in one run: on,off")
     dec.add_argument("--profile", action="store_true",
                      help="also profile decode steps at each batch size (torch.profiler): top ops, matmul share")
     dec.add_argument("--json", metavar="FILE")

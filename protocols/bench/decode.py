@@ -9,6 +9,7 @@ import time
 import torch
 
 from tokenloom.core.config import merge_layers
+from tokenloom.core.errors import ConfigError
 from tokenloom.core.plugins import PluginManager
 from tokenloom.protocols.bench.runner import StepRecorder, run_workload
 from tokenloom.protocols.bench.workload import make_workload, token_range_for
@@ -30,15 +31,25 @@ def _variants(args) -> list[dict]:
     """Each (quantizer, dtype) pair asked for, as a config layer ({} = the configured one)."""
     quantizers = args.quantizers.split(",") if args.quantizers else [None]
     dtypes = args.dtypes.split(",") if args.dtypes else [None]
+    captures = [None]
+    if getattr(args, "capture_modes", None):
+        modes = {"on": True, "off": False}
+        bad = [m for m in args.capture_modes.split(",") if m not in modes]
+        if bad:
+            raise ConfigError(f"--capture-modes takes on and/or off, got {bad[0]!r}")
+        captures = [modes[m] for m in args.capture_modes.split(",")]
     out = []
     for dtype in dtypes:
         for q in quantizers:
-            layer = {}
-            if q is not None:
-                layer["quantizer"] = q
-            if dtype is not None:
-                layer["dtype"] = dtype
-            out.append(layer)
+            for capture in captures:
+                layer = {}
+                if q is not None:
+                    layer["quantizer"] = q
+                if dtype is not None:
+                    layer["dtype"] = dtype
+                if capture is not None:
+                    layer["capture"] = capture
+                out.append(layer)
     return out
 
 
@@ -92,7 +103,8 @@ def _run_variant(args, flags: dict, pm: PluginManager) -> dict:
                                             token_range=token_range_for(llm.engine.model_config.vocab_size)), recorder)
         model = llm.engine.runner.model
         dtype = str(llm.engine.runner.dtype).replace("torch.", "")
-        name = f"{llm.engine.config.quantizer.name if llm.engine.config.quantizer else 'checkpoint'} / {dtype}"
+        step = "captured" if llm.engine.runner.captured else "op by op"
+        name = f"{llm.engine.config.quantizer.name if llm.engine.config.quantizer else 'checkpoint'} / {dtype} / {step}"
         print(f"{name}: {model.layers[0].qkv.kernel}", flush=True)
         results = []
         for b in sizes:
@@ -121,7 +133,7 @@ def format_decode(report: dict) -> str:
     sizes = [r["batch_size"] for r in report["variants"][0]["results"]]
     lines = [f"read bandwidth {report['read_bandwidth_gbs']:.1f} GB/s, {report['threads']} threads; the floor is "
              "weight bytes / bandwidth (every weight read once per token at batch 1)", "",
-             "| quantizer / dtype | layer kernel | weights MB | floor ms (tok/s) | "
+             "| quantizer / dtype / step | layer kernel | weights MB | floor ms (tok/s) | "
              + " | ".join(f"batch {b} tok/s" for b in sizes) + " | batch-1 share of floor | batch 1 vs first row |",
              "| --- | --- | --- | --- | " + " | ".join("---" for _ in sizes) + " | --- | --- |"]
     base = report["variants"][0]["results"][0]["decode_tok_s"]
