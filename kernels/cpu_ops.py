@@ -38,6 +38,9 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstring>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 // One row to float32. bfloat16 is the top half of a float32: a shift the compiler
 // vectorises (c10::BFloat16's own conversion does not).
@@ -57,10 +60,11 @@ inline void row_to_float<c10::BFloat16>(const c10::BFloat16* __restrict__ src, f
 
 // exp for float32 that the compiler vectorises (std::exp stays a scalar call): Cephes'
 // expf, range-reduced by powers of two with ln 2 split in two, a degree-6 polynomial; within
-// ~2 ulp of std::exp on [-87.3, 88.7] (clamped there).
+// ~2 ulp of std::exp on [-87.3, 88.7] (clamped there). k = round(x / ln 2) by the 1.5 * 2^23
+// trick: std::floor, as Cephes has it, kept GCC from vectorising the loop at all.
 static inline float vec_exp(float x) {
   x = x < -87.3365f ? -87.3365f : (x > 88.7228f ? 88.7228f : x);  // (std::min/max take references: not vectorised)
-  const float k = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float k = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
   const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -75,11 +79,17 @@ static inline float vec_exp(float x) {
 // The G query heads of one KV head (qf [G, D], already scaled) against the first L tokens of
 // one sequence, read block by block where they lie (caches [KVH, NB, BS, D]); acc [G, D] gets
 // the softmax-weighted values. float32 throughout; scores is scratch of G * L, kf of BS * D.
-// Each block's rows are converted once; four keys are scored per pass over d, so the
-// reductions' latency overlaps instead of serialising.
-template <typename T>
-static void attend(const float* qf, const T* kp, const T* vp, int64_t g, int64_t NB, int64_t BS, int64_t D,
-                   const int64_t* table, int64_t L, int64_t G, std::vector<float>& scores, float* kf, float* acc) {
+// Each block's rows are converted once. DC is the head dim when known at compile time (64,
+// 128: the loops over d unroll and a head's value accumulator stays in registers for a whole
+// block; without that it went through memory for every key, a store-to-load chain that cost
+// 3x), or 0 for any other head dim (read from D).
+typedef float vf16 __attribute__((vector_size(64)));  // GCC/Clang vectors: AVX-512, or split for AVX2
+
+template <typename T, int DC>
+static void attend_impl(const float* qf, const T* kp, const T* vp, int64_t g, int64_t NB, int64_t BS, int64_t Drt,
+                        const int64_t* table, int64_t L, int64_t G, std::vector<float>& scores, float* kf,
+                        float* acc) {
+  const int64_t D = DC > 0 ? DC : Drt;
   scores.resize(G * L);
   for (int64_t j = 0, t0 = 0; t0 < L; ++j, t0 += BS) {
     const int64_t n = L - t0 < BS ? L - t0 : BS;
@@ -88,7 +98,28 @@ static void attend(const float* qf, const T* kp, const T* vp, int64_t g, int64_t
       const float* __restrict__ qh = qf + h * D;
       float* sh = scores.data() + h * L + t0;
       int64_t o = 0;
-      for (; o + 4 <= n; o += 4) {
+#if defined(__AVX512F__)
+      if constexpr (DC > 0) {  // four keys a pass in vector registers, their four sums in one shuffle tree
+        constexpr int NV = DC / 16;
+        __m512 qv[NV];
+        for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(qh + 16 * v);
+        for (; o + 4 <= n; o += 4) {
+          __m512 s4[4];
+          for (int i = 0; i < 4; ++i) {
+            const float* kr = kf + (o + i) * DC;
+            __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+            for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(kr + 16 * v), a);
+            s4[i] = a;
+          }
+          const __m512 a01 = _mm512_add_ps(_mm512_unpacklo_ps(s4[0], s4[1]), _mm512_unpackhi_ps(s4[0], s4[1]));
+          const __m512 a23 = _mm512_add_ps(_mm512_unpacklo_ps(s4[2], s4[3]), _mm512_unpackhi_ps(s4[2], s4[3]));
+          const __m512 b = _mm512_add_ps(_mm512_shuffle_ps(a01, a23, 0x44), _mm512_shuffle_ps(a01, a23, 0xEE));
+          const __m256 c = _mm256_add_ps(_mm512_castps512_ps256(b), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b), 1)));
+          _mm_storeu_ps(sh + o, _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1)));
+        }
+      }
+#endif
+      for (; o + 4 <= n; o += 4) {  // four keys a pass: the reductions' latencies overlap
         const float* __restrict__ k0 = kf + o * D;
         const float* __restrict__ k1 = k0 + D;
         const float* __restrict__ k2 = k1 + D;
@@ -116,14 +147,16 @@ static void attend(const float* qf, const T* kp, const T* vp, int64_t g, int64_t
       }
     }
   }
-  for (int64_t h = 0; h < G; ++h) {
-    float* sh = scores.data() + h * L;
+  for (int64_t h = 0; h < G; ++h) {  // softmax; each loop a plain one the compiler vectorises
+    float* __restrict__ sh = scores.data() + h * L;
     float m = -INFINITY;
 #pragma omp simd reduction(max : m)
     for (int64_t t = 0; t < L; ++t) m = sh[t] > m ? sh[t] : m;
+#pragma omp simd
+    for (int64_t t = 0; t < L; ++t) sh[t] = vec_exp(sh[t] - m);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < L; ++t) { sh[t] = vec_exp(sh[t] - m); sum += sh[t]; }
+    for (int64_t t = 0; t < L; ++t) sum += sh[t];
     const float inv = 1.f / sum;
 #pragma omp simd
     for (int64_t t = 0; t < L; ++t) sh[t] *= inv;
@@ -133,16 +166,43 @@ static void attend(const float* qf, const T* kp, const T* vp, int64_t g, int64_t
     const int64_t n = L - t0 < BS ? L - t0 : BS;
     row_to_float(vp + (g * NB + table[j]) * BS * D, kf, n * D);
     for (int64_t h = 0; h < G; ++h) {
-      const float* ph = scores.data() + h * L + t0;
+      const float* __restrict__ ph = scores.data() + h * L + t0;
       float* __restrict__ ah = acc + h * D;
-      for (int64_t o = 0; o < n; ++o) {
-        const float p = ph[o];
-        const float* __restrict__ vr = kf + o * D;
+      if constexpr (DC > 0) {  // the head's accumulator in DC / 16 vector registers for the block
+        constexpr int NV = DC / 16;
+        vf16 a[NV];
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) std::memcpy(&a[v], ah + 16 * v, sizeof(vf16));
+        for (int64_t o = 0; o < n; ++o) {
+          const float p = ph[o];
+          const float* __restrict__ vr = kf + o * DC;
+#pragma GCC unroll 8
+          for (int v = 0; v < NV; ++v) {
+            vf16 x;
+            std::memcpy(&x, vr + 16 * v, sizeof(vf16));
+            a[v] += p * x;
+          }
+        }
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) std::memcpy(ah + 16 * v, &a[v], sizeof(vf16));
+      } else {
+        for (int64_t o = 0; o < n; ++o) {
+          const float p = ph[o];
+          const float* __restrict__ vr = kf + o * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ah[d] += p * vr[d];
+          for (int64_t d = 0; d < D; ++d) ah[d] += p * vr[d];
+        }
       }
     }
   }
+}
+
+template <typename T>
+static void attend(const float* qf, const T* kp, const T* vp, int64_t g, int64_t NB, int64_t BS, int64_t D,
+                   const int64_t* table, int64_t L, int64_t G, std::vector<float>& scores, float* kf, float* acc) {
+  if (D == 64) return attend_impl<T, 64>(qf, kp, vp, g, NB, BS, D, table, L, G, scores, kf, acc);
+  if (D == 128) return attend_impl<T, 128>(qf, kp, vp, g, NB, BS, D, table, L, G, scores, kf, acc);
+  attend_impl<T, 0>(qf, kp, vp, g, NB, BS, D, table, L, G, scores, kf, acc);
 }
 
 // Small work (batch 1, a short context) runs on the calling thread: a parallel region costs more.
