@@ -37,6 +37,7 @@ _SOURCE = r"""
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -461,7 +462,17 @@ struct DecodeStep {
   }
 };
 
+// Which hand-vectorised paths this build has ("avx512", else "generic": what the compiler makes of the plain loops).
+std::string simd_path() {
+#if defined(__AVX512F__)
+  return "avx512";
+#else
+  return "generic";
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("simd_path", &simd_path);
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("decode_layer_attention", &decode_layer_attention);
   m.def("add_rms_norm", &add_rms_norm);
@@ -481,6 +492,12 @@ _lock = threading.Lock()
 _state: dict = {}
 
 
+def _cflags() -> list[str]:
+    """Compiled for this CPU; ``TOKENLOOM_CPU_OPS_CFLAGS`` adds flags after ours, e.g.
+    ``-mno-avx512f`` builds the AVX2 paths on an AVX-512 machine (the tests do)."""
+    return ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", *os.environ.get("TOKENLOOM_CPU_OPS_CFLAGS", "").split()]
+
+
 def _machine_tag() -> str:
     """Compiled with -march=native: a build is only good for CPUs with the same flags."""
     try:
@@ -488,7 +505,7 @@ def _machine_tag() -> str:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         flags = platform.processor()
-    key = f"{_SOURCE}{flags}{torch.__version__}".encode()
+    key = f"{_SOURCE}{flags}{torch.__version__}{_cflags()}".encode()
     return hashlib.sha1(key).hexdigest()[:10]
 
 
@@ -517,7 +534,7 @@ def load():
 
                 module = load_inline(name=f"tokenloom_cpu_ops_{_machine_tag()}", cpp_sources=[_SOURCE],
                                      verbose=False,
-                                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"])
+                                     extra_cflags=_cflags(), extra_ldflags=["-fopenmp"])
                 _state["op"] = module
             except Exception as exc:  # no compiler, no ninja, no headers: keep the torch path
                 _state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ''}"

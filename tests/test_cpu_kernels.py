@@ -3,6 +3,11 @@ replaces: at odd shapes, op by op, and as greedy outputs of a whole engine."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -155,3 +160,35 @@ async def _streams(engine, prompts, params) -> list[list]:
         return [d async for d in engine.generate(prompt, params) if isinstance(d, TokenDelta)]
 
     return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and f" {flag}" in line for line in f)
+    except OSError:
+        return False
+
+
+def test_the_build_has_the_paths_its_flags_allow(ops):
+    """``TOKENLOOM_CPU_OPS_CFLAGS=-mno-avx512f`` builds the generic paths (the AVX2 machines'
+    build); otherwise an AVX-512 CPU gets the hand-vectorised ones."""
+    if "-mno-avx512f" in os.environ.get("TOKENLOOM_CPU_OPS_CFLAGS", ""):
+        assert ops.simd_path() == "generic"
+    elif _cpu_has("avx512f"):
+        assert ops.simd_path() == "avx512"
+
+
+@pytest.mark.slow
+def test_the_generic_build_passes_the_same_tests():
+    """This machine has AVX-512, CI's or a user's may not: build the ops without it (a
+    separate build, cached apart) and run these tests and the captured step's against it."""
+    if not _cpu_has("avx512f"):
+        pytest.skip("the default build here is already the generic one")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TOKENLOOM_CPU_OPS_CFLAGS": "-mno-avx512f"}
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
+                          "tests/test_cpu_kernels.py", "tests/test_capture.py"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    assert " passed" in res.stdout and "skipped" not in res.stdout
