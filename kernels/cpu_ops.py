@@ -32,6 +32,7 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 #include <c10/core/InferenceMode.h>
 #include <memory>
 #include <bit>
@@ -226,6 +227,7 @@ static void check_common(const at::Tensor& k_cache, const at::Tensor& v_cache, c
 // q [B, H, D]; block_tables [B, MB]; context_lens [B] -> [B, H, D] like q.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor context_lens, double scale) {
+  RECORD_FUNCTION("tokenloom::paged_decode_attention", std::vector<c10::IValue>());  // (seen by torch.profiler)
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == k_cache.scalar_type(), "q [B, H, D] in the caches' dtype");
   check_common(k_cache, v_cache, block_tables, context_lens, q.size(0));
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && q.size(2) == k_cache.size(3), "head counts or sizes disagree");
@@ -262,6 +264,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
 at::Tensor decode_layer_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
                                   at::Tensor v_cache, at::Tensor slots, at::Tensor block_tables,
                                   at::Tensor context_lens, int64_t num_heads, double scale) {
+  RECORD_FUNCTION("tokenloom::decode_layer_attention", std::vector<c10::IValue>());
   const int64_t B = qkv.size(0), KVH = k_cache.size(0), D = k_cache.size(3), H = num_heads;
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (H + 2 * KVH) * D, "qkv must be [B, (H + 2 KVH) D]");
   TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type(), "qkv in the caches' dtype");
@@ -325,6 +328,7 @@ at::Tensor decode_layer_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin
 // in out_dtype, the order F.rms_norm rounds in.
 at::Tensor add_rms_norm(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor weight, double eps,
                         at::ScalarType out_dtype) {
+  RECORD_FUNCTION("tokenloom::add_rms_norm", std::vector<c10::IValue>());
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "h: contiguous float32 [T, d]");
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == h.size(1),
               "weight: float32 [d]");
@@ -446,7 +450,8 @@ struct DecodeStep {
   at::Tensor run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slots,
                  const at::Tensor& tables, const at::Tensor& lens) {
     TORCH_CHECK(!k_caches.empty(), "bind the KV pools first");
-    c10::InferenceMode guard;
+    c10::InferenceMode inference;
+    RECORD_FUNCTION("tokenloom::decode_step", std::vector<c10::IValue>());  // its self time: the glue between ops
     at::Tensor h = embed.index({ids}).to(at::kFloat);
     const at::Tensor c = cos.index({positions}), s = sin.index({positions});
     c10::optional<at::Tensor> delta;

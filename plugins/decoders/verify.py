@@ -178,8 +178,11 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], num_row
 
     plain = [i for i, d in enumerate(drafts) if not d]
     if plain:  # no drafts: exactly the ordinary sampling path
-        rows = torch.tensor([starts[i] for i in plain], device=logits.device)
-        tokens, logprobs = sampler(logits[rows], [seqs[i] for i in plain])
+        if len(plain) == logits.shape[0]:  # every row (no drafts anywhere): no copy of the logits
+            plain_logits = logits
+        else:
+            plain_logits = logits[torch.tensor([starts[i] for i in plain], device=logits.device)]
+        tokens, logprobs = sampler(plain_logits, [seqs[i] for i in plain])
         for i, tok, lp in zip(plain, tokens, logprobs, strict=True):
             results[i] = SequenceOutput([tok], logprobs=[lp] if lp is not None else None)
 
