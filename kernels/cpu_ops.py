@@ -452,8 +452,9 @@ struct DecodeStep {
     TORCH_CHECK(!k_caches.empty(), "bind the KV pools first");
     c10::InferenceMode inference;
     RECORD_FUNCTION("tokenloom::decode_step", std::vector<c10::IValue>());  // its self time: the glue between ops
-    at::Tensor h = embed.index({ids}).to(at::kFloat);
-    const at::Tensor c = cos.index({positions}), s = sin.index({positions});
+    // (index_select: the rows Python's embed[ids] gives, without advanced indexing's set-up)
+    at::Tensor h = embed.index_select(0, ids).to(at::kFloat);
+    const at::Tensor c = cos.index_select(0, positions), s = sin.index_select(0, positions);
     c10::optional<at::Tensor> delta;
     for (size_t l = 0; l < input_norm.size(); ++l) {
       at::Tensor x = add_rms_norm(h, delta, input_norm[l], eps, dtype);
