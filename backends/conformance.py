@@ -18,7 +18,10 @@ dtype (``auto``, ``fp8``, ``int8``):
 5. ``rms_norm``, ``add_rms_norm`` (with and without a delta), ``silu_mul``;
 6. ``pack_linear(spec).apply(x)`` at 1, 3 and 17 rows for a dense weight, 4-bit
    (group-wise and act-order), 8-bit and fp8 specs, against the dense matmul of the
-   dequantised weight.
+   dequantised weight;
+7. ``capture_decode``: a two-layer LLaMA (random weights, head dim 64, GQA 2) on the
+   backend under test prefills three prompts, then three decode steps each run by its
+   captured step and by the same model op by op (skipped when it captures nothing).
 
 KV pools are opaque: a backend's layout is its own, so the pools are compared directly only
 where they have the torch backend's form (same type, shape and dtype); otherwise the KV
@@ -306,6 +309,60 @@ class _Kit:
             got, want = [b.rope(x, cos, sin) for b in self.backends]
             self.check("rope", where, got, want, dtype)
 
+    def captured_step(self, dtype: torch.dtype) -> None:
+        from tokenloom.core.models.config import ModelConfig
+        from tokenloom.core.models.llama import LlamaModel
+
+        cfg = ModelConfig(vocab_size=97, hidden_size=256, intermediate_size=384, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=64, max_position_embeddings=256)
+        d, f, q, kv, V = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size, cfg.vocab_size
+        shapes = {"model.embed_tokens.weight": (V, d), "model.norm.weight": (d,), "lm_head.weight": (V, d)}
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            shapes.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+                           p + "self_attn.q_proj.weight": (q, d), p + "self_attn.k_proj.weight": (kv, d),
+                           p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, q),
+                           p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
+                           p + "mlp.down_proj.weight": (d, f)})
+        weights = {n: (1 + 0.1 * self.randn(*shape)) if len(shape) == 1 else 0.05 * self.randn(*shape)
+                   for n, shape in shapes.items()}
+        model = LlamaModel(cfg, dtype, self.cand, cfg.max_position_embeddings).to(self.device)
+        model.load_weights(weights, _DenseWeights())
+        if not model.capture():
+            return
+        captured, model.captured = model.captured, None  # the model itself now runs op by op
+        bs, lens = 16, [5, 21, 40]
+        pools = self.cand.allocate_kv_cache(cfg.num_layers, 16, bs, cfg.num_kv_heads, cfg.head_dim, dtype)
+        perm = torch.randperm(16, generator=self.gen).tolist()
+        tables = [perm[0:2], perm[2:5], perm[5:9]]
+
+        def slot(i: int, pos: int) -> int:
+            return tables[i][pos // bs] * bs + pos % bs
+
+        def ids(n: int) -> torch.Tensor:
+            return torch.randint(0, V, (n,), generator=self.gen).to(self.device)
+
+        inp = AttentionInputs(slot_mapping=torch.tensor([slot(i, p) for i, n in enumerate(lens) for p in range(n)],
+                                                        device=self.device), block_size=bs)
+        row = 0
+        for i, n in enumerate(lens):
+            inp.prefills.append(PrefillSpan(row, row + n, n, tables[i]))
+            row += n
+        positions = torch.tensor([p for n in lens for p in range(n)], device=self.device)
+        model(ids(row), positions, pools, self.cand.prepare(inp))
+        where = f"two-layer LLaMA, head dim 64, GQA 2, contexts {lens}; dtype={str(dtype).removeprefix('torch.')}"
+        for _ in range(3):
+            tokens, positions = ids(len(lens)), torch.tensor(lens, device=self.device)
+            inp = AttentionInputs(slot_mapping=torch.tensor([slot(i, n) for i, n in enumerate(lens)], device=self.device),
+                                  block_size=bs, decode_rows=list(range(len(lens))),
+                                  decode_context_lens=[n + 1 for n in lens], decode_block_tables=tables)
+            got = captured(tokens, positions, pools, self.cand.prepare(inp))
+            if got is None:  # not a step it covers: nothing to compare
+                return
+            want = model(tokens, positions, pools, self.cand.prepare(inp))  # rewrites the same slots
+            self.check("capture_decode (hidden states)", where, got, want, dtype)
+            lens = [n + 1 for n in lens]
+
     def linears(self, dtype: torch.dtype) -> None:
         for label, spec in self.weight_specs():
             got_w = self.cand.pack_linear(spec, dtype)
@@ -335,6 +392,13 @@ class _Kit:
                         (torch.rand(40, generator=g) * 0.002).to(dev))
         return [("dense", self.randn(48, 96, scale=0.1)), ("int4 g32", q4(48, 128, 32, False)),
                 ("int4 g64 act-order", q4(32, 192, 64, True)), ("int8 per-channel", int8), ("fp8 e4m3", fp8)]
+
+
+class _DenseWeights:
+    """The quantizer the captured-step check loads its random weights with: as they are."""
+
+    def weight_spec(self, slot, tensors):
+        return slot.fuse([tensors.take(part + ".weight") for part in slot.parts])
 
 
 def _make_backend(backend, options, device: torch.device, plugins: Sequence[Any]):
@@ -370,6 +434,7 @@ def check_backend(backend: str | Callable[..., Any], *, options: Any = None, dev
         for dtype in dtypes:
             kit.norms(dtype)
             kit.linears(dtype)
+            kit.captured_step(dtype)
             for case in cases:
                 for kv_dtype in kv_cache_dtypes:
                     kit.attention_case(case, dtype, kv_dtype)

@@ -32,6 +32,8 @@ def test_torch_backend_passes_the_kit():
     report = check_backend("torch", options={"cpu_linear": "mkl", "quant_max_rows": 0})
     assert {"attention", "write_kv (K pool)", "copy_blocks", "move_kv_slots", "add_rms_norm (normalised)",
             "pack_linear(...).apply", "silu_mul"} <= set(report)
+    if TorchBackend().fused_decode is not None:  # where the C++ ops build: its captured step, bit for bit
+        assert report["capture_decode (hidden states)"] == 0.0
 
 
 @needs_triton
@@ -71,6 +73,25 @@ class InterleavedRope(_Broken):  # GPT-J's pairing instead of rotate-half
         pairs = x.float().unflatten(-1, (-1, 2))
         rotated = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
         return x.float() * cos + rotated * sin
+
+
+class CapturedWithSwappedRope(TorchBackend):
+    """A captured step built from the wrong tables (sin for cos): the kit must see it."""
+
+    def __init__(self, options=None, device="cpu"):
+        super().__init__(TorchBackendOptions(cpu_linear="mkl", quant_max_rows=0), device)
+
+    def capture_decode(self, model):
+        import dataclasses
+
+        return super().capture_decode(dataclasses.replace(model, cos=model.sin, sin=model.cos))
+
+
+def test_the_kit_checks_the_captured_step():
+    if TorchBackend().fused_decode is None:
+        pytest.skip("the C++ ops cannot be built here: no captured step to break")
+    with pytest.raises(ConformanceError, match="capture_decode"):
+        check_backend(lambda options, device: CapturedWithSwappedRope(device=device), **ONE_CASE)
 
 
 @pytest.mark.parametrize("broken, op", [(WrongSoftmaxScale, "attention"), (SwappedKV, "write_kv"),
