@@ -67,11 +67,17 @@ class ModelRunner:
         self.block_size, self.max_model_len = block_size, max_model_len
         self.model = LlamaModel(checkpoint.config, dtype, backend, max_model_len, self.tp).to(device)
         self.model.load_weights(checkpoint.weights, quantizer, checkpoint.quant_config)  # takes (empties) the checkpoint's tensors
-        self.captured = capture and self.model.capture()
+        if capture:
+            self.model.capture()
         self.num_blocks = 0
         self.kv_caches: list = []
         self.sampler = Sampler(seed, device)
         self.step_buffers = StepBuffers(device)  # the step's tables and lengths, written in place
+
+    @property
+    def captured(self) -> bool:
+        """Whether pure decode steps run as the backend's captured step."""
+        return self.model.captured is not None
 
     def allocate_kv_cache(self, num_blocks: int, kv_cache_dtype: str = "auto") -> None:
         """``kv_cache_dtype``: ``auto`` (the model dtype) or an 8-bit storage, ``fp8`` or ``int8``."""

@@ -42,14 +42,8 @@ def _variants(args) -> list[dict]:
     for dtype in dtypes:
         for q in quantizers:
             for capture in captures:
-                layer = {}
-                if q is not None:
-                    layer["quantizer"] = q
-                if dtype is not None:
-                    layer["dtype"] = dtype
-                if capture is not None:
-                    layer["capture"] = capture
-                out.append(layer)
+                out.append({key: value for key, value in (("quantizer", q), ("dtype", dtype), ("capture", capture))
+                            if value is not None})
     return out
 
 
