@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 # Tests never auto-load installed plugins; the plugin test turns it on explicitly.
 os.environ.setdefault("TOKENLOOM_DISABLE_PLUGIN_AUTOLOAD", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from tokenloom.core.hookspecs import hookimpl  # noqa: E402
 
 torch.set_num_threads(2)
 
@@ -33,6 +36,19 @@ def _byte_tokenizer():
     tok.add_special_tokens([AddedToken(t, special=True) for t in
                             ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>")])
     return tok
+
+
+class SlowSteps:
+    """A plugin whose observer hook sleeps 5 ms on the loop after every engine step, so a
+    long request runs for seconds however fast the machine decodes (the tiny model alone
+    decodes ~3,000 tokens a second): for tests that must act on a request mid-stream."""
+
+    def __init__(self, seconds: float = 0.005):
+        self.seconds = seconds
+
+    @hookimpl
+    def step_finished(self, stats):
+        time.sleep(self.seconds)
 
 
 def make_tiny_llama(path, *, seed: int = 0, num_layers: int = 2, tie: bool = False):

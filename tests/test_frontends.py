@@ -22,7 +22,7 @@ from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.protocols.gateway import FrontendHost, RateLimited, Refused, ServerOptions
 from tokenloom.protocols.ratelimit import RateLimiter, RateLimits
 
-from conftest import tiny_engine_kwargs, wait_idle
+from conftest import SlowSteps, tiny_engine_kwargs, wait_idle
 
 
 class LineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -80,14 +80,6 @@ class LineFrontend:
             self.running.discard(req.seq.request_id)
             await writer.drain()
         writer.close()
-
-
-class SlowSteps:
-    """Each engine step takes >= 5 ms, so a 900-token request runs >= 4.5 s on any machine."""
-
-    @hookimpl
-    def step_finished(self, stats):
-        time.sleep(0.005)
 
 
 class LinePlugin:

@@ -11,9 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenloom.core.hookspecs import hookimpl
-
-from conftest import wait_idle
+from conftest import SlowSteps, wait_idle
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Tell me a long story about a loom."
@@ -21,15 +19,6 @@ MAX_TOKENS = 900  # the tiny model's context is 1024; the chat-templated prompt 
 # One fp32 kernel: "dual" times MKL against oneDNN per weight shape at load, which on two
 # busy shared cores can take seconds; this page's test is not about kernels.
 ENGINE = {"backend": {"name": "torch", "cpu_linear": "mkl"}}
-
-
-class _SlowSteps:
-    """Each engine step takes >= 5 ms, so 900 tokens take seconds on any machine and the
-    page's Stop lands mid-stream (the tiny model alone decodes them in a fraction of one)."""
-
-    @hookimpl
-    def step_finished(self, stats):
-        time.sleep(0.005)
 
 
 def _browser_or_skip() -> str:
@@ -52,7 +41,7 @@ async def test_playground_chat_stop_and_engine_panel(make_server):
     from playwright.async_api import async_playwright, expect
 
     started = time.monotonic()
-    server, url = await make_server(engine=ENGINE, plugins=[_SlowSteps()])
+    server, url = await make_server(engine=ENGINE, plugins=[SlowSteps()])  # the page's Stop lands mid-stream
     page_url = url.replace("ws://", "http://", 1) + "/"
     artifacts = Path(os.environ.get("TOKENLOOM_TEST_ARTIFACTS", REPO_ROOT / "test-artifacts"))
     artifacts.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
 import urllib.error
 import urllib.request
 
@@ -13,10 +12,10 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from tokenloom.core.hookspecs import hookimpl
 from tokenloom.protocols.client import Client, RequestError
 from tokenloom.protocols.messages import Delta, Done, decode_server, encode
 
+from conftest import SlowSteps
 from conftest import collect as _collect
 from conftest import wait_idle as _wait_idle
 
@@ -234,17 +233,8 @@ async def test_health_and_metrics_over_http(make_server):
     assert info.value.code == 404
 
 
-class _SlowSteps:
-    """Every engine step takes >= 5 ms (an observer hook that sleeps on the loop), so that
-    900 tokens cannot finish within a 1 s deadline however fast the machine is."""
-
-    @hookimpl
-    def step_finished(self, stats):
-        time.sleep(0.005)
-
-
 async def test_graceful_shutdown(make_server):
-    server, url = await make_server(plugins=[_SlowSteps()])
+    server, url = await make_server(plugins=[SlowSteps()])
     async with Client(url) as client:
         long = client.generate("long", params={"temperature": 0, "max_tokens": 900, "ignore_eos": True})
         short = client.generate("short", params={"max_tokens": 5, "ignore_eos": True})

@@ -19,7 +19,7 @@ from tokenloom.plugins.decoders.standard import StandardDecoder
 from tokenloom.protocols.client import Client, RequestError
 from tokenloom.protocols.messages import Delta, Done, decode_server
 
-from conftest import collect, wait_idle
+from conftest import SlowSteps, collect, wait_idle
 
 LONG = {"temperature": 0, "max_tokens": 300, "ignore_eos": True}
 
@@ -247,7 +247,7 @@ async def test_unsent_bytes_are_bounded_per_connection(make_server):
 
 # ---- 11. request deadlines -----------------------------------------------------------------
 async def test_request_deadline_ends_with_timeout_and_frees_blocks(make_server):
-    server, url = await make_server(default_timeout_s=0.4)
+    server, url = await make_server(default_timeout_s=0.4, plugins=[SlowSteps()])  # 1,000 tokens take >= 5 s
     async with Client(url) as client:
         t0 = time.perf_counter()
         _, own, _ = await collect(client, "slow", params={**LONG, "max_tokens": 1000, "timeout_s": 0.2})
