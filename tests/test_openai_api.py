@@ -28,12 +28,13 @@ HI = [{"role": "user", "content": "hello there"}]
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """`tokenloom serve` with both frontends, an API key, one allowed Origin and a queue of 2,
-    over a tiny model 16 layers deep: ~2 ms a token, so a 900-token request is still running
-    when a test hangs up on it or fills the queue with it, however fast the machine."""
+    over a tiny model 48 layers deep, so a 900-token request is still running when a test
+    hangs up on it or fills the queue with it (16 layers were ~2 ms a token op by op; the
+    captured decode step made them fast enough that the hang-up test flaked under load)."""
     from conftest import make_tiny_llama
 
     model_dir = tmp_path_factory.mktemp("deep-tiny")
-    make_tiny_llama(model_dir, num_layers=16)
+    make_tiny_llama(model_dir, num_layers=48)
     key_file = tmp_path_factory.mktemp("key") / "key"
     key_file.write_text(KEY)
     proc = subprocess.Popen([*CLI, "serve", "--model", str(model_dir), "--dtype", "float32",
