@@ -28,7 +28,7 @@ class OpenAIFrontendOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=
 
 def websocket_frontend(options: WebSocketFrontendOptions | None, context):
     """The token-streaming WebSocket protocol, /health, /metrics, /stats and the playground page."""
-    from tokenloom.protocols.server import TokenServer
+    from tokenloom.protocols.websocket.server import TokenServer
 
     options = options or WebSocketFrontendOptions()
     gateway = context.gateway
@@ -38,7 +38,7 @@ def websocket_frontend(options: WebSocketFrontendOptions | None, context):
 
 def openai_frontend(options: OpenAIFrontendOptions | None, context):
     """OpenAI-compatible HTTP: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming)."""
-    from tokenloom.protocols.openai_api.server import OpenAIFrontend
+    from tokenloom.protocols.openai.server import OpenAIFrontend
 
     return OpenAIFrontend(options or OpenAIFrontendOptions(), context)
 

@@ -9,11 +9,8 @@ speaks its own wire format; the :class:`Gateway` decides who gets in.
 from __future__ import annotations
 
 import asyncio
-import hmac
-import ipaddress
 import sys
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 import msgspec
 import structlog
@@ -21,6 +18,7 @@ import structlog
 from tokenloom.core.errors import EngineUnavailable
 from tokenloom.core.interfaces import Frontend, FrontendContext
 from tokenloom.core.sampling_params import SamplingParams
+from tokenloom.protocols.http import AccessRules
 from tokenloom.protocols.metrics import ServerMetrics
 from tokenloom.protocols.ratelimit import RateLimiter, RateLimits
 
@@ -73,17 +71,6 @@ class RateLimited(Exception):
         self.wait_ms, self.what = wait_ms, what
 
 
-def _is_loopback(hostname: str | None) -> bool:
-    if not hostname:
-        return False
-    if hostname == "localhost" or hostname.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(hostname).is_loopback
-    except ValueError:
-        return False
-
-
 class Gateway:
     """Admission, in this order: :meth:`reserve` a queue slot (synchronously, so a burst
     of requests cannot all pass the check before any of them is counted), charge the
@@ -94,36 +81,19 @@ class Gateway:
         self.engine = engine
         self.options = options or ServerOptions()
         self.metrics = ServerMetrics(engine)
+        self.rules = AccessRules(self.options.api_key, tuple(self.options.allowed_origins or ()))
         self.num_admitting = 0  # requests holding a slot but not yet submitted (they count towards max_queue)
         self.draining = False
 
-    # ---- who may come in ------------------------------------------------------------
+    # ---- who may come in: the rules every frontend shares (protocols/http.py) ----------
     def authorized(self, token: str | None) -> bool:
-        """Is ``token`` the API key (always true when the server has none)?"""
-        key = self.options.api_key
-        if key is None:
-            return True
-        return token is not None and hmac.compare_digest(token.encode(), key.encode())
+        return self.rules.authorized(token)
 
     def bearer_authorized(self, authorization: str | None) -> bool:
-        """An ``Authorization: Bearer <key>`` header's verdict."""
-        auth = authorization or ""
-        return self.authorized(auth[7:] if auth.startswith("Bearer ") else None)
+        return self.rules.bearer_authorized(authorization)
 
     def origin_allowed(self, origin: str | None, host: str | None) -> bool:
-        """Clients that send no Origin (every non-browser client) pass. A browser's Origin
-        must be listed when ``--allow-origin`` gives a list. Without one, only a loopback
-        page of the server itself passes (Origin and Host both loopback and naming the same
-        host:port): no web page a user happens to visit can drive a model served on their
-        machine, not even through DNS rebinding, which controls both headers but cannot make
-        them name a loopback address."""
-        if origin is None:
-            return True
-        allowed = self.options.allowed_origins
-        if allowed:
-            return origin in allowed
-        parts = urlsplit(origin)
-        return (host is not None and parts.netloc == host.lower() and _is_loopback(parts.hostname))
+        return self.rules.origin_allowed(origin, host)
 
     # ---- admission --------------------------------------------------------------------
     def refusal(self) -> Refusal | None:

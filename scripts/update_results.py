@@ -15,8 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tokenloom.protocols.bench.decode import format_decode
-from tokenloom.protocols.bench.peers import format_peers
+from tokenloom.bench.decode import format_decode
+from tokenloom.bench.peers import format_peers
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench-results"
@@ -31,7 +31,7 @@ def bench(name: str, *args: str) -> dict:
     if REUSE and path.exists():
         print(f"reusing {path.relative_to(ROOT)}", flush=True)
         return json.loads(path.read_text())
-    cmd = [sys.executable, "-m", "tokenloom.protocols.cli", "bench", *args, "--json", str(path)]
+    cmd = [sys.executable, "-m", "tokenloom.cli.main", "bench", *args, "--json", str(path)]
     print("$ tokenloom bench " + " ".join(args), flush=True)
     subprocess.run(cmd, check=True)
     return json.loads(path.read_text())

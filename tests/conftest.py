@@ -120,7 +120,7 @@ async def make_server(tiny_model_dir):
     from tokenloom.core.build import config_from_sources
     from tokenloom.core.engine import AsyncEngine
     from tokenloom.core.plugins import PluginManager
-    from tokenloom.protocols.server import ServerOptions, TokenServer
+    from tokenloom.protocols.websocket.server import ServerOptions, TokenServer
 
     made = []
 
@@ -149,7 +149,7 @@ def start_serve_process(*args: str):
     import sys
 
     env = {**os.environ, "TOKENLOOM_LOG_FORMAT": "json"}
-    proc = subprocess.Popen([sys.executable, "-m", "tokenloom.protocols.cli", "serve", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "tokenloom.cli.main", "serve", *args],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     for line in proc.stderr:
         m = re.search(r"(ws://127\.0\.0\.1:\d+)", line)
@@ -162,7 +162,7 @@ def start_serve_process(*args: str):
 
 async def collect(client, prompt=None, **kw):
     """Run one request through a protocol Client: (text, final event, all events)."""
-    from tokenloom.protocols.messages import Delta
+    from tokenloom.protocols.websocket.messages import Delta
 
     events = [ev async for ev in client.generate(prompt, **kw)]
     return "".join(e.text for e in events if isinstance(e, Delta)), events[-1], events

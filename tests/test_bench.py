@@ -6,10 +6,10 @@ import math
 
 import pytest
 
+from tokenloom.bench.offline import format_table, parse_combo
+from tokenloom.bench.stats import percentile, ratio, summarize
+from tokenloom.bench.workload import make_workload, parse_range
 from tokenloom.core.plugins import PluginManager
-from tokenloom.protocols.bench.offline import format_table, parse_combo
-from tokenloom.protocols.bench.stats import percentile, ratio, summarize
-from tokenloom.protocols.bench.workload import make_workload, parse_range
 
 
 def test_percentile_interpolates_like_numpy():
@@ -61,10 +61,10 @@ def test_table_shows_ratios():
 
 
 async def test_bench_serve_against_a_real_server(tiny_model_dir):
+    from tokenloom.bench.serve import format_serve, run_serve_bench
     from tokenloom.core.build import config_from_sources
     from tokenloom.core.engine import AsyncEngine
-    from tokenloom.protocols.bench.serve import format_serve, run_serve_bench
-    from tokenloom.protocols.server import ServerOptions, TokenServer
+    from tokenloom.protocols.websocket.server import ServerOptions, TokenServer
 
     from conftest import tiny_engine_kwargs
 
@@ -88,7 +88,7 @@ async def test_bench_serve_against_a_real_server(tiny_model_dir):
 def test_offline_plot_is_a_png_with_the_expected_series(tmp_path):
     import matplotlib.image
 
-    from tokenloom.protocols.bench.plot import plot_offline
+    from tokenloom.bench.plot import plot_offline
 
     def result(name, out):
         return {"combo": name, "output_tok_s": out, "total_tok_s": out * 2, "ratio_output_tok_s": out / 10,
@@ -107,8 +107,8 @@ def test_offline_plot_is_a_png_with_the_expected_series(tmp_path):
 def test_peers_runs_tokenloom_and_transformers_on_the_same_workload(tiny_model_dir, tmp_path):
     import argparse
 
-    from tokenloom.protocols.bench.peers import format_peers, run_peers
-    from tokenloom.protocols.bench.plot import plot_peers
+    from tokenloom.bench.peers import format_peers, run_peers
+    from tokenloom.bench.plot import plot_peers
 
     from conftest import tiny_engine_kwargs
 
@@ -135,7 +135,7 @@ def test_offline_and_decode_commands_on_a_tiny_model(tiny_model_dir, tmp_path):
     import subprocess
     import sys
 
-    base = [sys.executable, "-m", "tokenloom.protocols.cli", "bench"]
+    base = [sys.executable, "-m", "tokenloom.cli.main", "bench"]
     model = ["--model", str(tiny_model_dir), "--dtype", "float32", "--num-kv-blocks", "64"]
     out = subprocess.run([*base, "offline", "--num-requests", "5", "--prompt-len", "4-9", "--output-len", "2-4",
                           "--combo", "continuous+radix", "--combo", "static+contiguous", "--json",
@@ -167,7 +167,7 @@ async def test_soak_loses_nothing_under_overload_and_disconnects(make_server):
     arrivals past capacity, a third of the clients leaving mid-stream, a small queue so some
     requests are refused; every accepted request still ends in exactly one `done`, and
     afterwards nothing runs and no block is in use."""
-    from tokenloom.protocols.bench.soak import format_soak, run_soak, soak_passed
+    from tokenloom.bench.soak import format_soak, run_soak, soak_passed
 
     server, url = await make_server(max_queue=6, engine={"num_kv_blocks": 48})
     work = make_workload(16, (4, 40), (20, 120), seed=1, token_range=(0, 256))
@@ -184,8 +184,8 @@ def test_a_peer_that_crashes_is_a_failure_not_the_end_of_the_run():
     import os
     from concurrent.futures.process import BrokenProcessPool
 
-    from tokenloom.protocols.bench.peers import _isolated
+    from tokenloom.bench.runner import isolated
 
     with pytest.raises(BrokenProcessPool):
-        _isolated(os.abort)
-    assert _isolated(os.getpid) != os.getpid()  # and it really was another process
+        isolated(os.abort)
+    assert isolated(os.getpid) != os.getpid()  # and it really was another process

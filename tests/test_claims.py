@@ -1,4 +1,4 @@
-"""`tokenloom bench claims`: the verdict rules at their boundaries, the table from a fake
+"""`python scripts/claims`: the verdict rules at their boundaries, the table from a fake
 figures dict, the README section replacement, and one --quick run on the tiny model."""
 
 from __future__ import annotations
@@ -8,26 +8,29 @@ import json
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from claims import table as ct
+from claims.run import build_parser as claims_parser
+from claims.run import engine_argv, main
 
-from tokenloom.protocols.bench import claims_table as ct
-from tokenloom.protocols.bench.claims import engine_argv
-from tokenloom.protocols.cli import build_parser, main
+from tokenloom.cli.main import build_parser
 
 KiB = 1024
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "claims"
 
 # What the measurements return, one entry per claim (claims.py), every figure inside the seed's.
 FIGURES = {
     "kv_per_token": {"small": {"model": "m", "allocated": 23040, "formula": 23040, "layers": 30, "kv_heads": 3,
                                "head_dim": 64, "bytes": 2},
-                     "llama2_7b": 512 * KiB, "llama2_70b": 320 * KiB, "command": "tokenloom bench claims --only kv"},
+                     "llama2_7b": 512 * KiB, "llama2_70b": 320 * KiB, "command": "python scripts/claims --only kv"},
     "weights": {"7b": {"bf16": 13.48e9, "int4": 3.89e9}, "70b": {"bf16": 137.9e9, "int4": 36.6e9},
-                "command": "tokenloom bench claims --only weights"},
+                "command": "python scripts/claims --only weights"},
     "paged_concurrency": {"ratio": 3.0, "paged_mean": 12.0, "contiguous_mean": 4.0, "paged_peak": 20,
                           "contiguous_peak": 4, "paged_preemptions": 3, "num_kv_blocks": 160, "requests": 48,
                           "max_tokens": 512, "mean_output": 200.0, "mean_prompt": 40.0, "hit_max_tokens": 5,
-                          "command": "tokenloom bench claims --only paged"},
+                          "command": "python scripts/claims --only paged"},
     "continuous_batching": {"ratio": 2.5, "static_tok_s": 100.0, "continuous_tok_s": 250.0, "num_requests": 64,
                             "prompt_len": "32-256", "output_len": "32-256", "max_num_seqs": 16,
                             "command": "tokenloom bench offline --combo static+paged --combo continuous+paged"},
@@ -35,10 +38,10 @@ FIGURES = {
                     "cached": {"paged": {"ttft_ms": 100.0, "speedup": 9.0}, "radix": {"ttft_ms": 90.0, "speedup": 10.0}},
                     "command": "tokenloom bench prefix --workload shared-system"},
     "weight_quant": {"base": "dense", "int8": 0.5, "four_bit": {"rtn": 9.0, "gptq": 4.0, "awq": 3.0},
-                     "command": "tokenloom bench claims --only quant"},
+                     "command": "python scripts/claims --only quant"},
     "gptq_awq": {"rtn": 20.0, "dense": 17.0, "methods": {"gptq": 19.0, "awq": 18.0},
-                 "command": "tokenloom bench claims --only quant"},
-    "kv_quant": {"base": "a 16-bit KV cache", "command": "tokenloom bench claims --only kv",
+                 "command": "python scripts/claims --only quant"},
+    "kv_quant": {"base": "a 16-bit KV cache", "command": "python scripts/claims --only kv",
                  "kv": {"fp8": {"bytes_ratio": 0.516, "blocks_ratio": 1.94, "ppl_change_pct": 1.0},
                         "int8": {"bytes_ratio": 0.516, "blocks_ratio": 1.94, "ppl_change_pct": 0.3}}},
     "spec_formula": {"command": "tokenloom bench spec", "rows": [
@@ -120,12 +123,12 @@ def test_a_missing_measurement_names_the_issue_that_will_measure_it():
     assert rows["spec_formula"].measured == "not yet measured: issue 9" and rows["spec_formula"].verdict == "-"
     assert rows["prefix_ttft"].measured == "not yet measured: issue 13"
     assert rows["weights"].verdict == "holds"  # the others are untouched
-    fallback = ct.build_rows({}, {"spec_formula": "tokenloom bench claims --only spec"})
-    assert fallback[[c.key for c in ct.CLAIMS].index("spec_formula")].command == "tokenloom bench claims --only spec"
+    fallback = ct.build_rows({}, {"spec_formula": "python scripts/claims --only spec"})
+    assert fallback[[c.key for c in ct.CLAIMS].index("spec_formula")].command == "python scripts/claims --only spec"
 
 
 def test_a_failed_measurement_is_a_row_that_says_so():
-    figures = {**FIGURES, "kv_quant": {"error": "RuntimeError: boom", "command": "tokenloom bench claims --only kv"}}
+    figures = {**FIGURES, "kv_quant": {"error": "RuntimeError: boom", "command": "python scripts/claims --only kv"}}
     row = dict(zip([c.key for c in ct.CLAIMS], ct.build_rows(figures), strict=True))["kv_quant"]
     assert row.measured == "measurement failed: RuntimeError: boom" and row.verdict == "-"
 
@@ -164,20 +167,20 @@ def test_missing_or_misplaced_markers_fail_clearly(text, message):
 def test_readme_without_markers_fails_before_measuring(tmp_path, capsys):
     readme = tmp_path / "README.md"
     readme.write_text("# no markers\n")
-    assert main(["bench", "claims", "--readme", str(readme)]) == 2
+    assert main(["--write", str(readme)]) == 2
     assert "claims:begin" in capsys.readouterr().out and readme.read_text() == "# no markers\n"
-    assert main(["bench", "claims", "--only", "weights", "--readme", str(readme)]) == 2
+    assert main(["--only", "weights", "--write", str(readme)]) == 2
 
 
 def test_engine_flags_are_forwarded_as_given():
     words = ["--model", "m", "--threads", "1", "--no-overlap", "--set", "backend.quant_max_rows=0"]
-    args = build_parser().parse_args(["bench", "claims", *words])
+    args = claims_parser().parse_args(words)
     assert engine_argv(args) == words
 
 
 def test_only_a_planner_measurement_runs_in_process(tmp_path, capsys):
     """`--only weights` needs no model: the planner on Llama-2 shapes."""
-    assert main(["bench", "claims", "--only", "weights", "--json", str(tmp_path / "c.json")]) == 0
+    assert main(["--only", "weights", "--json", str(tmp_path / "c.json")]) == 0
     figures = json.loads((tmp_path / "c.json").read_text())["figures"]
     assert set(figures) == {"weights"} and figures["weights"]["7b"]["bf16"] == 13_477_363_712
     out = capsys.readouterr().out
@@ -190,9 +193,9 @@ def test_quick_run_on_the_tiny_model_rewrites_the_readme(tiny_model_dir, tmp_pat
     """~25 s on 2 idle cores (one torch thread: the tiny model gains nothing from two)."""
     readme = tmp_path / "README.md"
     readme.write_text(README)
-    out = subprocess.run([sys.executable, "-m", "tokenloom.protocols.cli", "bench", "claims", "--quick",
+    out = subprocess.run([sys.executable, str(SCRIPT), "--quick",
                           "--model", str(tiny_model_dir), "--dtype", "float32", "--threads", "1", "--json", str(tmp_path / "c.json"),
-                          "--readme", str(readme)], capture_output=True, text=True, timeout=600)
+                          "--write", str(readme)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads((tmp_path / "c.json").read_text())
     assert set(result["figures"]) == {c.key for c in ct.CLAIMS}
@@ -202,9 +205,14 @@ def test_quick_run_on_the_tiny_model_rewrites_the_readme(tiny_model_dir, tmp_pat
     section, tail = section.split(ct.END)
     assert head + ct.BEGIN + "\nold table\n" + ct.END + tail == README
     lines = section.strip().splitlines()
-    assert lines[0].startswith("_Generated ") and "bench claims --quick" in lines[0] and "torch threads" in lines[0]
+    assert lines[0].startswith("_Generated ") and "scripts/claims --quick" in lines[0] and "torch threads" in lines[0]
     assert len([ln for ln in lines if ln.startswith("| ")]) == 2 + len(ct.CLAIMS)
     assert "not yet measured" not in section
-    # every row's command is a `tokenloom` command line that the parser accepts
+    # every row's command is a command line that its parser accepts: `tokenloom ...` or the script's
     for f in result["figures"].values():
-        build_parser().parse_args(shlex.split(f["command"])[1:])
+        words = shlex.split(f["command"])
+        if words[:2] == ["python", "scripts/claims"]:
+            claims_parser().parse_args(words[2:])
+        else:
+            assert words[0] == "tokenloom", f["command"]
+            build_parser().parse_args(words[1:])

@@ -72,7 +72,7 @@ def test_parse_override_reads_toml_values():
 def test_config_command_prints_effective_combination(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text('dtype = "float32"\n[scheduler]\nname = "static"\nmax_num_seqs = 3\n')
-    out = subprocess.run([sys.executable, "-m", "tokenloom.protocols.cli", "config", "--config", str(cfg),
+    out = subprocess.run([sys.executable, "-m", "tokenloom.cli.main", "config", "--config", str(cfg),
                           "--max-num-seqs", "5", "--cache-manager", "contiguous"],
                          capture_output=True, text=True, check=True).stdout
     assert 'dtype = "float32"' in out
@@ -81,7 +81,7 @@ def test_config_command_prints_effective_combination(tmp_path):
 
 
 def test_config_command_fails_naming_the_key(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "tokenloom.protocols.cli", "config", "--set", "scheduler.nope=1"],
+    res = subprocess.run([sys.executable, "-m", "tokenloom.cli.main", "config", "--set", "scheduler.nope=1"],
                          capture_output=True, text=True)
     assert res.returncode == 2 and "scheduler.nope" in res.stderr and "Traceback" not in res.stderr
 

@@ -41,7 +41,7 @@ def test_batch_of_chats_matches_single_runs(smollm_fp32):
 
 
 def test_cli_generate_prints_paris():
-    res = subprocess.run([sys.executable, "-m", "tokenloom.protocols.cli", "generate", "--temperature", "0",
+    res = subprocess.run([sys.executable, "-m", "tokenloom.cli.main", "generate", "--temperature", "0",
                           "What is the capital of France?"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "Paris" in res.stdout

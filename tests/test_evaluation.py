@@ -122,7 +122,7 @@ def test_no_block_leaks_and_limits(make_llm):
 
 
 def _cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "tokenloom.protocols.cli", *args],
+    return subprocess.run([sys.executable, "-m", "tokenloom.cli.main", *args],
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -152,8 +152,8 @@ def test_bench_quant_cli(tiny_model_dir, tmp_path):
 
 
 def test_method_specs():
+    from tokenloom.bench.quant import method_layer, nominal_bits, parse_methods
     from tokenloom.core.plugins import PluginManager
-    from tokenloom.protocols.bench.quant import method_layer, nominal_bits, parse_methods
 
     assert parse_methods("none, int8,gptq=out/g") == [("none", None), ("int8", None), ("gptq", "out/g")]
     with pytest.raises(ValueError):

@@ -220,7 +220,7 @@ async def test_without_an_origin_list_browsers_must_come_from_the_server_itself(
 
 async def test_a_shutdown_during_admission_submits_nothing_and_every_client_hears(host_factory, monkeypatch):
     """Requests still being tokenised when the drain begins are refused, not submitted after it."""
-    from tokenloom.protocols.client import Client, RequestError
+    from tokenloom.protocols.websocket.client import Client, RequestError
 
     host, fronts = await host_factory({"enabled": ["websocket", "openai"], "websocket": {"port": 0},
                                        "openai": {"port": 0}})

@@ -16,10 +16,10 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from tokenloom.protocols.client import Client  # noqa: E402
-from tokenloom.protocols.messages import Done  # noqa: E402
+from tokenloom.protocols.websocket.client import Client  # noqa: E402
+from tokenloom.protocols.websocket.messages import Done  # noqa: E402
 
-CLI = [sys.executable, "-m", "tokenloom.protocols.cli"]
+CLI = [sys.executable, "-m", "tokenloom.cli.main"]
 KEY = "test-key-123"
 ORIGIN = "http://allowed.example"
 HI = [{"role": "user", "content": "hello there"}]

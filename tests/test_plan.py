@@ -9,8 +9,8 @@ import random
 import pytest
 
 from tokenloom import SamplingParams
-from tokenloom.core.planner import PlanOptions, num_params, plan, read_checkpoint
-from tokenloom.protocols.cli import main
+from tokenloom.cli.main import main
+from tokenloom.planner import PlanOptions, num_params, plan, read_checkpoint
 
 # Llama-2's shapes (their config.json files, trimmed to what the planner reads)
 LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,

@@ -73,7 +73,7 @@ def test_builtins_come_from_tokenloom():
 def _run_cli(*args, env_extra=None):
     env = {k: v for k, v in os.environ.items() if k != "TOKENLOOM_DISABLE_PLUGIN_AUTOLOAD"}
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "tokenloom.protocols.cli", *args],
+    return subprocess.run([sys.executable, "-m", "tokenloom.cli.main", *args],
                           capture_output=True, text=True, env=env)
 
 

@@ -168,8 +168,8 @@ def test_radix_outputs_under_eviction_and_preemption(make_llm, scheduler):
 def test_bench_prefix_workloads_radix_hits_at_least_paged(tiny_model_dir, workload):
     import argparse
 
+    from tokenloom.bench.prefix import run_prefix
     from tokenloom.core.plugins import PluginManager
-    from tokenloom.protocols.bench.prefix import run_prefix
 
     from conftest import tiny_engine_kwargs
 

@@ -7,7 +7,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenloom.protocols.messages import ClientMessage, Error, decode_client
+from tokenloom.protocols.websocket.messages import ClientMessage, Error, decode_client
 
 VALID = [
     {"type": "generate", "id": "a", "prompt": "hi", "params": {"temperature": 0.5, "max_tokens": 8}},

@@ -15,10 +15,7 @@ import urllib.request
 
 import pytest
 
-from tokenloom.protocols.client import Client, RequestError
-from tokenloom.protocols.messages import ChatMessage, Delta, Done, Generate
-from tokenloom.protocols.router import Router, RouterOptions
-from tokenloom.protocols.router_policy import (
+from tokenloom.protocols.router.policy import (
     Candidate,
     PrefixIndex,
     block_hashes,
@@ -26,8 +23,11 @@ from tokenloom.protocols.router_policy import (
     continued_text,
     route,
 )
+from tokenloom.protocols.router.server import Router, RouterOptions
+from tokenloom.protocols.websocket.client import Client, RequestError
+from tokenloom.protocols.websocket.messages import ChatMessage, Delta, Done, Generate
 
-CLI = [sys.executable, "-m", "tokenloom.protocols.cli"]
+CLI = [sys.executable, "-m", "tokenloom.cli.main"]
 ENGINE = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "256", "--block-size", "16"]
 GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
 LONG = {"temperature": 0, "max_tokens": 600, "ignore_eos": True}

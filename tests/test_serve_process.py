@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from tokenloom.protocols.client import Client
-from tokenloom.protocols.messages import Delta
+from tokenloom.protocols.websocket.client import Client
+from tokenloom.protocols.websocket.messages import Delta
 
 from conftest import start_serve_process
 
-CLI = [sys.executable, "-m", "tokenloom.protocols.cli"]
+CLI = [sys.executable, "-m", "tokenloom.cli.main"]
 
 
 @pytest.fixture

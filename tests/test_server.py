@@ -12,8 +12,8 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from tokenloom.protocols.client import Client, RequestError
-from tokenloom.protocols.messages import Delta, Done, decode_server, encode
+from tokenloom.protocols.websocket.client import Client, RequestError
+from tokenloom.protocols.websocket.messages import Delta, Done, decode_server, encode
 
 from conftest import SlowSteps
 from conftest import collect as _collect
@@ -276,5 +276,5 @@ async def test_hundred_cancelled_ten_complete(make_server):
 
 
 def test_encode_roundtrip():
-    d = decode_server(encode(__import__("tokenloom.protocols.messages", fromlist=["Pong"]).Pong(data="x")))
+    d = decode_server(encode(__import__("tokenloom.protocols.websocket.messages", fromlist=["Pong"]).Pong(data="x")))
     assert d.data == "x"

@@ -16,8 +16,8 @@ from websockets.asyncio.client import connect
 
 from tokenloom.core.hookspecs import hookimpl
 from tokenloom.plugins.decoders.standard import StandardDecoder
-from tokenloom.protocols.client import Client, RequestError
-from tokenloom.protocols.messages import Delta, Done, decode_server
+from tokenloom.protocols.websocket.client import Client, RequestError
+from tokenloom.protocols.websocket.messages import Delta, Done, decode_server
 
 from conftest import SlowSteps, collect, wait_idle
 
@@ -334,7 +334,7 @@ async def test_unexpected_failures_still_answer_every_request(make_server, monke
 
 
 async def test_serve_drains_and_exits_1_when_the_engine_gives_up(make_server, capsys):
-    from tokenloom.protocols.serve_cli import serve_until_stopped
+    from tokenloom.cli.serve import serve_until_stopped
 
     faults = FaultInjector()
     server, url = await make_server(plugins=[faults], engine={"decoder": "faulty", "max_restarts": 0})
@@ -357,7 +357,7 @@ async def test_serve_drains_and_exits_1_when_the_engine_gives_up(make_server, ca
 async def test_a_burst_of_generates_cannot_overshoot_the_queue_limit(make_server):
     """Ten frames sent back to back: each takes its queue slot as it is read, so only
     max_queue of them are accepted, the rest hear `overloaded` at once."""
-    from tokenloom.protocols.messages import Accepted, Error
+    from tokenloom.protocols.websocket.messages import Accepted, Error
 
     server, url = await make_server(max_queue=2)
     async with connect(url) as ws:

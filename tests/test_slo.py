@@ -47,7 +47,7 @@ def test_bad_targets_name_the_parameter(data, param):
 
 
 def test_targets_accepted_and_carried_over_the_websocket():
-    from tokenloom.protocols.messages import Error, Generate, decode_client
+    from tokenloom.protocols.websocket.messages import Error, Generate, decode_client
 
     p = SamplingParams.from_dict({"slo_class": "interactive", "ttft_ms": 250, "tpot_ms": 80.5})
     assert (p.slo_class, p.ttft_ms, p.tpot_ms) == ("interactive", 250, 80.5)
@@ -438,8 +438,8 @@ def test_drafts_and_preemption_under_slo_keep_greedy_output(make_llm):
 def test_bench_slo_report_on_a_tiny_config(tiny_model_dir, tmp_path, monkeypatch):
     import argparse
 
-    from tokenloom.protocols.bench import slo as bench
-    from tokenloom.protocols.bench.plot import plot_slo
+    from tokenloom.bench import slo as bench
+    from tokenloom.bench.plot import plot_slo
 
     from conftest import tiny_engine_kwargs
 

@@ -224,7 +224,7 @@ def test_speculative_decoders_greedy_identical_on_the_embedded_model(tmp_path):
 
 
 async def test_decoder_is_chosen_per_request_over_the_websocket(make_server):
-    from tokenloom.protocols.client import Client, RequestError
+    from tokenloom.protocols.websocket.client import Client, RequestError
 
     from conftest import collect
 
@@ -357,7 +357,7 @@ def test_the_model_writes_its_own_training_prompts(make_llm):
 
 def test_train_medusa_command_writes_heads_the_decoder_loads(tiny_model_dir, tmp_path, capsys):
     from tokenloom import LLM
-    from tokenloom.protocols.cli import main
+    from tokenloom.cli.main import main
 
     out, data = tmp_path / "heads.safetensors", tmp_path / "conversations.jsonl"
     args = ["train-medusa", "--model", str(tiny_model_dir), "--dtype", "float32", "--num-heads", "2",

@@ -202,7 +202,7 @@ async def test_a_failed_rank_ends_every_request_with_an_error_within_the_bound(h
 
 
 async def test_the_server_keeps_answering_health_after_a_rank_dies(make_server):
-    from tokenloom.protocols.client import Client
+    from tokenloom.protocols.websocket.client import Client
 
     from conftest import collect
 
@@ -234,10 +234,10 @@ def test_torchrun_starts_the_same_group(tiny_model_dir):
     args = ["generate", "hello world", "--raw", "--temperature", "0", "--max-tokens", "16", "--model",
             str(tiny_model_dir), "--dtype", "float32", "--num-kv-blocks", "64"]
     env = {**os.environ, "TOKENLOOM_LOG_LEVEL": "ERROR"}
-    one = subprocess.run([sys.executable, "-m", "tokenloom.protocols.cli", *args], capture_output=True, text=True,
+    one = subprocess.run([sys.executable, "-m", "tokenloom.cli.main", *args], capture_output=True, text=True,
                          env=env, timeout=120)
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "tokenloom.protocols.cli", *args, "--tensor-parallel-size", "2"],
+                          "-m", "tokenloom.cli.main", *args, "--tensor-parallel-size", "2"],
                          capture_output=True, text=True, env=env, timeout=180)
     assert one.returncode == 0, one.stderr[-2000:]
     assert two.returncode == 0, two.stderr[-2000:]
@@ -316,7 +316,7 @@ async def test_serve_with_two_ranks_answers_and_leaves_no_rank_behind(tiny_model
     """`tokenloom serve --tensor-parallel-size 2` as a real process: it answers over the
     WebSocket, exits 0 on SIGTERM, and its rank-1 process is gone after."""
 
-    from tokenloom.protocols.client import Client
+    from tokenloom.protocols.websocket.client import Client
 
     from conftest import collect
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from tokenloom.protocols.client import Client
-from tokenloom.protocols.messages import Delta, Done
+from tokenloom.protocols.websocket.client import Client
+from tokenloom.protocols.websocket.messages import Delta, Done
 
 
 async def ask(client: Client, question: str) -> str:

@@ -32,7 +32,7 @@ from tokenloom.core.runner import ForwardOutput
 from tokenloom.core.sampling_params import MAX_SPECULATIVE_TOKENS
 from tokenloom.core.sequence import Batch, Sequence
 from tokenloom.plugins.decoders.base import SharedStepDecoder
-from tokenloom.plugins.decoders.verify import _draw, row_contexts, target_probs
+from tokenloom.plugins.decoders.verify import draw, row_contexts, target_probs
 
 
 class SpeculativeOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -162,7 +162,7 @@ class SpeculativeDecoder(SharedStepDecoder):
             for i, (seq, st, k) in enumerate(live):
                 s = st.shadow
                 s.num_computed_tokens += n[i]
-                tok = int(q[i].argmax()) if seq.params.greedy else _draw(q[i], self._generator(seq))
+                tok = int(q[i].argmax()) if seq.params.greedy else draw(q[i], self._generator(seq))
                 probs[s.seq_id].append(q[i])
                 s.token_ids.append(tok)
                 seq.draft_token_ids.append(tok)

@@ -79,7 +79,7 @@ def target_probs(sampler: Sampler, logits: torch.Tensor, rows: list[RowContext])
     return sampler.probs(sampler.apply_penalties(logits, rows), rows)
 
 
-def _draw(probs: torch.Tensor, gen: torch.Generator) -> int:
+def draw(probs: torch.Tensor, gen: torch.Generator) -> int:
     """One token from ``probs [V]`` (the sampler's exponential race, the request's generator)."""
     noise = torch.empty_like(probs).exponential_(generator=gen).clamp_min_(torch.finfo(probs.dtype).tiny)
     return int((probs / noise).argmax())
@@ -110,9 +110,9 @@ def accept_chain(p: torch.Tensor, drafts: list[int], q: torch.Tensor | None, gen
             residual = (residual - q[i]).clamp_min_(0.0)
         total = float(residual.sum())
         residual = residual / total if total > 0 else p[i]
-        out.append(int(residual.argmax()) if gen is None else _draw(residual, gen))
+        out.append(int(residual.argmax()) if gen is None else draw(residual, gen))
         return out, i
-    out.append(int(p[len(drafts)].argmax()) if gen is None else _draw(p[len(drafts)], gen))
+    out.append(int(p[len(drafts)].argmax()) if gen is None else draw(p[len(drafts)], gen))
     return out, len(drafts)
 
 
@@ -150,7 +150,7 @@ def accept_tree(p: torch.Tensor, drafts: list[int], parents: list[int], gen: tor
                 if total > 0:  # else t held all the mass (rounding): keep r, t is then drawn
                     r = rest / total
         if accepted is None:
-            out.append(int(r.argmax()) if gen is None else _draw(r, gen))
+            out.append(int(r.argmax()) if gen is None else draw(r, gen))
             return out, path
         out.append(drafts[accepted])
         path.append(accepted)

@@ -1,0 +1,112 @@
+"""`tokenloom bench serve`: a load generator over the WebSocket protocol.
+
+Requests arrive as a Poisson process at ``--rate`` per second (``inf``: all at once),
+at most ``--concurrency`` in flight; the prompts are the seeded offline workload. Each
+request records TTFT, inter-token latencies, TPOT and end-to-end latency on the client
+side, as vLLM's `benchmark_serving` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+
+from tokenloom.bench.stats import summarize
+from tokenloom.bench.workload import BenchRequest, make_workload, parse_range
+
+
+async def _one(client, req: BenchRequest, sem: asyncio.Semaphore, record: list) -> None:
+    from tokenloom.protocols.websocket.client import RequestError
+    from tokenloom.protocols.websocket.messages import Delta, Done
+
+    async with sem:
+        start = time.perf_counter()
+        arrivals: list[tuple[float, int]] = []
+        try:
+            async for ev in client.generate(req.prompt_token_ids, params={
+                    "temperature": 0, "max_tokens": req.max_tokens, "ignore_eos": True}):
+                if isinstance(ev, Delta) and ev.token_ids:
+                    arrivals.append((time.perf_counter(), len(ev.token_ids)))
+                elif isinstance(ev, Done):
+                    ok = ev.finish_reason in ("stop", "length")
+        except (RequestError, ConnectionError) as exc:
+            record.append({"ok": False, "error": str(exc)})
+            return
+        end = time.perf_counter()
+        n = sum(k for _, k in arrivals)
+        itl = []
+        for (t0, _), (t1, k) in zip(arrivals, arrivals[1:], strict=False):
+            itl.extend([(t1 - t0) / k * 1e3] * k)  # a coalesced delta spreads its gap over its tokens
+        record.append({
+            "ok": ok, "output_tokens": n, "prompt_tokens": len(req.prompt_token_ids),
+            "ttft_ms": (arrivals[0][0] - start) * 1e3 if arrivals else None,
+            "tpot_ms": (arrivals[-1][0] - arrivals[0][0]) * 1e3 / (n - 1) if n > 1 else None,
+            "e2e_ms": (end - start) * 1e3, "itl_ms": itl,
+        })
+
+
+async def run_serve_bench(url: str, rate: float, concurrency: int, workload: list[BenchRequest], seed: int,
+                          api_key: str | None = None) -> dict:
+    from tokenloom.protocols.websocket.client import Client
+
+    rng = random.Random(seed)
+    record: list[dict] = []
+    sem = asyncio.Semaphore(concurrency)
+    async with Client(url, api_key=api_key) as client:
+        t0 = time.perf_counter()
+        tasks = []
+        for req in workload:
+            tasks.append(asyncio.create_task(_one(client, req, sem, record)))
+            if math.isfinite(rate) and rate > 0:
+                await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - t0
+    good = [r for r in record if r["ok"]]
+    out_tokens = sum(r["output_tokens"] for r in good)
+    return {
+        "rate": rate, "concurrency": concurrency, "requests": len(record), "failed": len(record) - len(good),
+        "elapsed_s": elapsed, "request_throughput": len(good) / elapsed, "output_tok_s": out_tokens / elapsed,
+        "total_tok_s": (out_tokens + sum(r["prompt_tokens"] for r in good)) / elapsed,
+        "ttft_ms": summarize([r["ttft_ms"] for r in good]), "tpot_ms": summarize([r["tpot_ms"] for r in good]),
+        "itl_ms": summarize([x for r in good for x in r["itl_ms"]]), "e2e_ms": summarize([r["e2e_ms"] for r in good]),
+    }
+
+
+def format_serve(reports: list[dict]) -> str:
+    lines = ["rate req/s  conc  done/failed  req/s  out tok/s  TTFT ms mean/p50/p90/p99   TPOT ms mean/p50/p90/p99"
+             "   ITL ms p50/p99   E2E ms p50/p99"]
+    for r in reports:
+        t, p, i, e = r["ttft_ms"], r["tpot_ms"], r["itl_ms"], r["e2e_ms"]
+        f = lambda s, keys, nd=0: "/".join(f"{s[k]:.{nd}f}" for k in keys)  # noqa: E731
+        lines.append(f"{r['rate']:<10}  {r['concurrency']:<4}  {r['requests'] - r['failed']}/{r['failed']:<9}  "
+                     f"{r['request_throughput']:.2f}   {r['output_tok_s']:.1f}      "
+                     f"{f(t, ('mean', 'p50', 'p90', 'p99'))}   {f(p, ('mean', 'p50', 'p90', 'p99'), 1)}   "
+                     f"{f(i, ('p50', 'p99'), 1)}   {f(e, ('p50', 'p99'))}")
+    return "\n".join(lines)
+
+
+def cmd_serve_bench(args) -> int:
+    from tokenloom.bench.offline import write_json
+    from tokenloom.core import env
+
+    workload = make_workload(args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len),
+                             seed=args.workload_seed)
+    if args.duration is not None:
+        from tokenloom.bench.soak import format_soak, run_soak, soak_passed
+
+        reports = [asyncio.run(run_soak(args.url, float(rate), args.duration, workload, args.workload_seed,
+                                        args.disconnect_fraction, env.api_key())) for rate in args.rate]
+        for r in reports:
+            print(format_soak(r))
+        write_json({"url": args.url, "soak": reports}, args.json)
+        return 0 if all(soak_passed(r) for r in reports) else 1
+    reports = []
+    for rate in args.rate:
+        rep = asyncio.run(run_serve_bench(args.url, float(rate), args.concurrency, workload, args.workload_seed))
+        reports.append(rep)
+        print(f"  rate {rate}: {rep['output_tok_s']:.1f} output tok/s, {rep['failed']} failed", flush=True)
+    print(format_serve(reports))
+    write_json({"url": args.url, "results": reports}, args.json)
+    return 0 if all(r["failed"] == 0 for r in reports) else 1

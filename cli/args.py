@@ -1,0 +1,105 @@
+"""argparse flags shared by every command that builds an engine, and their mapping onto
+config layers (flags sit between the TOML file and Python keyword arguments); the loading
+progress bar and the API key that several commands use."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from tokenloom.core.config import merge_layers, nested, parse_override
+
+# flag dest -> dotted config key
+ENGINE_FLAGS = {
+    "model": "model",
+    "dtype": "dtype",
+    "device": "device",
+    "max_model_len": "max_model_len",
+    "block_size": "block_size",
+    "kv_cache_memory_mb": "kv_cache_memory_mb",
+    "num_kv_blocks": "num_kv_blocks",
+    "seed": "seed",
+    "threads": "num_threads",
+    "scheduler": "scheduler.name",
+    "cache_manager": "cache_manager.name",
+    "decoder": "decoder.name",
+    "backend": "backend.name",
+    "quantizer": "quantizer.name",
+    "kv_cache_dtype": "kv_cache_dtype",
+    "max_num_seqs": "scheduler.max_num_seqs",
+    "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
+    "chunked_prefill": "scheduler.enable_chunked_prefill",
+    "overlap": "overlap",
+    "capture": "capture",
+    "tensor_parallel_size": "tensor_parallel_size",
+}
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine (flags override --config; see `tokenloom config`)")
+    g.add_argument("--config", metavar="FILE", help="TOML config file")
+    g.add_argument("--model", "-m", help="smollm2-135m (default), a .gguf file or a Hugging Face directory")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--block-size", type=int)
+    g.add_argument("--kv-cache-memory-mb", type=int)
+    g.add_argument("--num-kv-blocks", type=int, help="fix the KV pool size (overrides the memory budget)")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--threads", type=int, help="torch intra-op threads")
+    g.add_argument("--scheduler", help="continuous, static, ...")
+    g.add_argument("--cache-manager", help="paged, contiguous, ...")
+    g.add_argument("--decoder", help="standard, ...")
+    g.add_argument("--backend", help="torch, ...")
+    g.add_argument("--quantizer", help="gguf, none, int8, rtn, fp8, gptq, awq (default: what the checkpoint says)")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "int8"], help="KV cache storage (auto: the dtype)")
+    g.add_argument("--max-num-seqs", type=int)
+    g.add_argument("--max-num-batched-tokens", type=int)
+    g.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="publish each step's output while the next step runs (default on)")
+    g.add_argument("--capture", action=argparse.BooleanOptionalAction, default=None,
+                   help="run a decode step as the backend's captured step, no Python between ops "
+                        "(default on; --no-capture is vLLM's --enforce-eager)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="N",
+                   help="split the model over N ranks (processes; gloo on CPUs, NCCL on GPUs)")
+    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any config key, e.g. --set scheduler.max_num_seqs=8 (TOML value)")
+
+
+def flags_layer(args: argparse.Namespace) -> dict[str, Any]:
+    layers = []
+    for dest, key in ENGINE_FLAGS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            layers.append(nested(key, value))
+    layers += [parse_override(item) for item in args.set]
+    return merge_layers(*layers)
+
+
+def progress_bar(desc: str):
+    """A loader's ``progress(done, total)`` callback drawing a tqdm bar on stderr."""
+    from tqdm import tqdm
+
+    bar = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, leave=False)
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    return progress
+
+
+def api_key_from(path: str | None) -> str | None:
+    """The API key: the file's contents when ``--api-key-file`` is given, else $TOKENLOOM_API_KEY."""
+    from tokenloom.core import env
+
+    if path:
+        return Path(path).read_text().strip() or None
+    return env.api_key()

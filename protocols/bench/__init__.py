@@ -1,1 +1,0 @@
-"""`tokenloom bench`: offline strategy comparisons, batch decode speed vs the memory floor."""

@@ -1,0 +1,226 @@
+"""The ``openai`` frontend: OpenAI's HTTP API over the engine, on Starlette and uvicorn.
+
+Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (``stream: true`` answers with server-sent events, ended by
+``data: [DONE]``), and ``GET /health``. The rules are the gateway's, shared with the
+WebSocket frontend: the same API key (``Authorization: Bearer``), the same browser Origin
+list (with CORS headers for listed Origins), one queue limit. Status codes are the ones the
+official client maps to its exceptions: 400 (``BadRequestError``, the ``param`` named),
+401, 403, 404 (unknown model or route), 413 (body over ``max_body_bytes``), 429 (rate
+limit) and 503 (queue full, shutting down, engine restarting), both with ``Retry-After``.
+A client that disconnects — mid-stream or while waiting for a whole answer — aborts its
+request, whose KV blocks come back at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import uuid
+from collections import OrderedDict
+
+import structlog
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from tokenloom.core.errors import ClientError, EngineUnavailable
+from tokenloom.protocols.gateway import RateLimited, Refused
+from tokenloom.protocols.openai import schema
+from tokenloom.protocols.openai.answer import Answer
+from tokenloom.protocols.openai.rules import HTTPError, Rules, client_error, refused
+from tokenloom.protocols.ratelimit import RateLimiter
+
+log = structlog.get_logger("tokenloom.openai")
+MAX_CLIENTS_TRACKED = 4096  # rate-limit buckets kept, least recently seen dropped first
+
+
+#: an oversized body up to this size is read to its end before the 413 (see _drain)
+DRAIN_BYTES = 8 << 20
+
+class _Uvicorn(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """`tokenloom serve` owns SIGINT/SIGTERM (one drain for every frontend)."""
+        yield
+
+
+class OpenAIFrontend:
+    name = "openai"
+
+    def __init__(self, options, context):
+        self.options, self.engine, self.gateway = options, context.engine, context.gateway
+        self.host = context.host
+        # The name clients send as `model`: as vLLM does, the --model the server was started
+        # with (`smollm2-135m`) unless served_model_name says otherwise; the checkpoint's own
+        # name is accepted too.
+        self.model = options.served_model_name or self.engine.config.engine.model
+        self.aliases = {self.model, self.engine.model_name}
+        self.active: set[str] = set()  # engine ids of requests being answered
+        self.background: set[asyncio.Task] = set()
+        self._limiters: OrderedDict[str, RateLimiter] = OrderedDict()
+        self._server: _Uvicorn | None = None
+        self._task: asyncio.Task | None = None
+        self._port = 0
+        self.app = Starlette(routes=[
+            Route("/v1/models", self.list_models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.get_model, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+        ])
+        self.app.add_exception_handler(404, self._not_found)
+        self.app.add_exception_handler(405, self._not_allowed)
+        self.app.add_middleware(Rules, gateway=self.gateway)
+
+    # ---- lifecycle (the Frontend protocol) ---------------------------------------------
+    async def start(self) -> None:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.create_server((self.host, self.options.port), family=family)
+        self._port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_config=None, log_level="warning", access_log=False,
+                                lifespan="off", timeout_graceful_shutdown=5, server_header=False)
+        self._server = _Uvicorn(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="tokenloom-openai")
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise RuntimeError("the OpenAI frontend stopped while starting")
+            await asyncio.sleep(0.01)
+        log.info("openai_started", host=self.host, port=self._port, model=self.model)
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    def urls(self) -> list[str]:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return [f"http://{host}:{self._port}/v1"]
+
+    def stop_accepting(self) -> None:
+        """New requests get 503 ``shutting_down`` (the port stays open until :meth:`close`,
+        so that they hear why)."""
+        self.gateway.draining = True
+
+    async def close(self) -> None:
+        for rid in list(self.active):  # each still ends with its finish chunk or its response
+            self.engine.abort(rid)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 5.0
+        while self.active and loop.time() < end:
+            await asyncio.sleep(0.01)
+        if self._server is not None:
+            self._server.should_exit = True
+            with contextlib.suppress(Exception):
+                await self._task
+
+    # ---- routes -------------------------------------------------------------------------
+    def _model_card(self) -> dict:
+        return {"id": self.model, "object": "model", "created": 0, "owned_by": "tokenloom",
+                "max_model_len": self.engine.max_model_len}
+
+    async def list_models(self, request: Request) -> Response:
+        return schema.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def get_model(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        if model_id not in self.aliases:
+            raise HTTPError(404, f"The model `{model_id}` does not exist", param="model", code="model_not_found")
+        return schema.json_response(self._model_card())
+
+    async def health(self, request: Request) -> Response:
+        status = "draining" if self.gateway.draining else self.engine.health_report().status
+        return schema.json_response({"status": status}, 200 if status == "ok" else 503)
+
+    async def chat_completions(self, request: Request) -> Response:
+        req = schema.decode_request(await self._body(request), schema.ChatCompletionRequest)
+        num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        return await self._generate(request, req, "chat.completion", num_logprobs,
+                                    messages=schema.chat_messages(req))
+
+    async def completions(self, request: Request) -> Response:
+        req = schema.decode_request(await self._body(request), schema.CompletionRequest)
+        return await self._generate(request, req, "text_completion", req.logprobs,
+                                    prompt=schema.completion_prompt(req))
+
+    # ---- one request ----------------------------------------------------------------------
+    async def _body(self, request: Request) -> bytes:
+        limit = self.options.max_body_bytes
+        too_big = HTTPError(413, f"the request body is over {limit} bytes", code="request_too_large")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._drain(request, int(declared))
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                await self._drain(request, None)
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    @staticmethod
+    async def _drain(request: Request, declared: int | None) -> None:
+        """Read and drop the rest of an oversized body (up to ``DRAIN_BYTES``) before the 413:
+        a client still sending when the answer comes gets a reset, not the answer."""
+        if declared is not None and declared > DRAIN_BYTES:
+            return
+        seen = 0
+        async for chunk in request.stream():
+            seen += len(chunk)
+            if seen > DRAIN_BYTES:
+                return
+
+    def _limiter(self, request: Request) -> RateLimiter:
+        client = request.client.host if request.client else "?"
+        limiter = self._limiters.pop(client, None) or RateLimiter(self.gateway.options.rate_limits)
+        self._limiters[client] = limiter
+        while len(self._limiters) > MAX_CLIENTS_TRACKED:
+            self._limiters.popitem(last=False)
+        return limiter
+
+    async def _generate(self, request: Request, req, kind: str, num_logprobs: int | None, **prompt) -> Response:
+        """Admission through the gateway (reserve a queue slot, charge the rate limits,
+        tokenise, submit), then the answer."""
+        if req.model not in self.aliases:
+            raise HTTPError(404, f"The model `{req.model}` does not exist; this server serves `{self.model}`",
+                            param="model", code="model_not_found")
+        gateway, limiter = self.gateway, self._limiter(request)
+        params, open_ended = schema.sampling_params(req, num_logprobs)
+        try:
+            gateway.reserve()
+            try:
+                gateway.take_request(limiter)
+            except RateLimited:
+                gateway.release()
+                raise
+            state = await gateway.admit(params=params, limiter=limiter, request_id=f"oai-{uuid.uuid4().hex}",
+                                        fill_max_tokens=open_ended, reserved=True, **prompt)
+        except Refused as exc:
+            raise refused(exc.refusal) from None
+        except RateLimited as exc:
+            raise HTTPError(429, str(exc), code="rate_limit_exceeded", kind="rate_limit_error",
+                            retry_after_ms=exc.wait_ms) from None
+        except EngineUnavailable as exc:
+            raise HTTPError(503, str(exc), code=exc.code, kind="server_error",
+                            retry_after_ms=exc.retry_after_ms) from None
+        except ClientError as exc:
+            raise client_error(exc, req) from None
+        answer = Answer(self, req, kind, state)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return answer.events_response(include_usage, gateway.options.send_timeout_s)
+        return await answer.whole(request)
+
+    # ---- errors ---------------------------------------------------------------------------
+    async def _not_found(self, request: Request, exc) -> Response:
+        return HTTPError(404, f"no route {request.url.path}; see /v1/models, /v1/completions, "
+                              "/v1/chat/completions", code="not_found").response()
+
+    async def _not_allowed(self, request: Request, exc) -> Response:
+        return HTTPError(405, f"{request.method} is not allowed on {request.url.path}",
+                         code="method_not_allowed").response()
