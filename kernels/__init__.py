@@ -2,7 +2,7 @@
 
 - ``cpu_ops``: C++ decode attention for CPUs that reads KV blocks where they
   lie (and a layer-level op that also applies RoPE and writes the new K/V), built on first
-  use with torch's inline extension loader; the torch backend uses it by default
+  use from its C++ in ``kernels/csrc/`` with torch's extension loader; the torch backend uses it by default
   (``backend.decode_attention``) and keeps its own ops where it cannot be built.
 
 - ``triton``: the `triton` backend's kernels (paged attention, KV write, norms, RoPE,

@@ -8,10 +8,25 @@ model that is ~40% of a decode step's non-matmul time. This op walks each sequen
 table instead: for each (sequence, KV head) it scores the group's query heads against the
 keys in place, takes a softmax in float32 and sums the values, with no copy of the cache.
 
-Built on first use with ``torch.utils.cpp_extension.load_inline`` (a C++ compiler and
-ninja are needed; ~30 s once, cached per machine under torch's extension folder) and
-compiled for the CPU it runs on. :func:`load` returns None, with the reason, where it
-cannot be built; the backend then keeps the torch path. Reference and test:
+The C++ lives in ``kernels/csrc/`` (shipped as package data):
+
+- ``attention.h``: ``paged_decode_attention``, and ``decode_layer_attention`` (RoPE, the
+  KV write and that attention for one layer, from its fused qkv projection);
+- ``rms_norm.h``: ``add_rms_norm``, the residual add fused with RMSNorm;
+- ``common.h``: the row-to-float32 conversion both use;
+- ``cpu_ops.cpp``: the captured decode step (``StepLinear``, ``DecodeStep``), which calls
+  the ops above, and the Python bindings of everything (``PYBIND11_MODULE``). It includes
+  the headers: one translation unit, since torch's headers are most of the compile time
+  (three separate ones took ~50% more CPU time and were slower to build on two cores).
+
+This module only builds them: on first use, ``csrc/*.cpp`` with
+``torch.utils.cpp_extension.load`` (a C++ compiler and ninja are needed; ~30 s once),
+compiled for the CPU it runs on (``-march=native``; ``TOKENLOOM_CPU_OPS_CFLAGS`` adds
+flags). The extension's name carries a hash of the C++ in ``csrc/`` (sources and
+headers), the flags, the CPU's features and torch's version, so a build is cached once per
+machine under torch's extension folder (``TORCH_EXTENSIONS_DIR``) and any change to the
+C++ or the flags builds afresh. :func:`load` returns None, with the reason (:func:`unavailable_reason`),
+where it cannot be built; the backend then keeps the torch path. Reference and test:
 ``tests/test_cpu_kernels.py`` against the torch path at odd shapes.
 """
 
@@ -22,477 +37,14 @@ import os
 import platform
 import shutil
 import threading
+from pathlib import Path
 
 import structlog
 import torch
 
 log = structlog.get_logger("tokenloom.kernels")
 
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/record_function.h>
-#include <c10/core/InferenceMode.h>
-#include <memory>
-#include <bit>
-#include <cmath>
-#include <cstring>
-#include <string>
-#include <vector>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-// One row to float32. bfloat16 is the top half of a float32: a shift the compiler
-// vectorises (c10::BFloat16's own conversion does not).
-template <typename T>
-static inline void row_to_float(const T* __restrict__ src, float* __restrict__ dst, int64_t n) {
-#pragma omp simd
-  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
-}
-
-template <>
-inline void row_to_float<c10::BFloat16>(const c10::BFloat16* __restrict__ src, float* __restrict__ dst, int64_t n) {
-  const uint16_t* __restrict__ raw = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* __restrict__ out = reinterpret_cast<uint32_t*>(dst);
-#pragma omp simd
-  for (int64_t d = 0; d < n; ++d) out[d] = static_cast<uint32_t>(raw[d]) << 16;
-}
-
-// exp for float32 that the compiler vectorises (std::exp stays a scalar call): Cephes'
-// expf, range-reduced by powers of two with ln 2 split in two, a degree-6 polynomial; within
-// ~2 ulp of std::exp on [-87.3, 88.7] (clamped there). k = round(x / ln 2) by the 1.5 * 2^23
-// trick: std::floor, as Cephes has it, kept GCC from vectorising the loop at all.
-static inline float vec_exp(float x) {
-  x = x < -87.3365f ? -87.3365f : (x > 88.7228f ? 88.7228f : x);  // (std::min/max take references: not vectorised)
-  const float k = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
-  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  return p * std::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
-}
-
-// The G query heads of one KV head (qf [G, D], already scaled) against the first L tokens of
-// one sequence, read block by block where they lie (caches [KVH, NB, BS, D]); acc [G, D] gets
-// the softmax-weighted values. float32 throughout; scores is scratch of G * L, kf of BS * D.
-// Each block's rows are converted once. DC is the head dim when known at compile time (64,
-// 128: the loops over d unroll and a head's value accumulator stays in registers for a whole
-// block; without that it went through memory for every key, a store-to-load chain that cost
-// 3x), or 0 for any other head dim (read from D).
-typedef float vf16 __attribute__((vector_size(64)));  // GCC/Clang vectors: AVX-512, or split for AVX2
-
-template <typename T, int DC>
-static void attend_impl(const float* qf, const T* kp, const T* vp, int64_t g, int64_t NB, int64_t BS, int64_t Drt,
-                        const int64_t* table, int64_t L, int64_t G, std::vector<float>& scores, float* kf,
-                        float* acc) {
-  const int64_t D = DC > 0 ? DC : Drt;
-  scores.resize(G * L);
-  for (int64_t j = 0, t0 = 0; t0 < L; ++j, t0 += BS) {
-    const int64_t n = L - t0 < BS ? L - t0 : BS;
-    row_to_float(kp + (g * NB + table[j]) * BS * D, kf, n * D);
-    for (int64_t h = 0; h < G; ++h) {
-      const float* __restrict__ qh = qf + h * D;
-      float* sh = scores.data() + h * L + t0;
-      int64_t o = 0;
-#if defined(__AVX512F__)
-      if constexpr (DC > 0) {  // four keys a pass in vector registers, their four sums in one shuffle tree
-        constexpr int NV = DC / 16;
-        __m512 qv[NV];
-        for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(qh + 16 * v);
-        for (; o + 4 <= n; o += 4) {
-          __m512 s4[4];
-          for (int i = 0; i < 4; ++i) {
-            const float* kr = kf + (o + i) * DC;
-            __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
-            for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(kr + 16 * v), a);
-            s4[i] = a;
-          }
-          const __m512 a01 = _mm512_add_ps(_mm512_unpacklo_ps(s4[0], s4[1]), _mm512_unpackhi_ps(s4[0], s4[1]));
-          const __m512 a23 = _mm512_add_ps(_mm512_unpacklo_ps(s4[2], s4[3]), _mm512_unpackhi_ps(s4[2], s4[3]));
-          const __m512 b = _mm512_add_ps(_mm512_shuffle_ps(a01, a23, 0x44), _mm512_shuffle_ps(a01, a23, 0xEE));
-          const __m256 c = _mm256_add_ps(_mm512_castps512_ps256(b), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b), 1)));
-          _mm_storeu_ps(sh + o, _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1)));
-        }
-      }
-#endif
-      for (; o + 4 <= n; o += 4) {  // four keys a pass: the reductions' latencies overlap
-        const float* __restrict__ k0 = kf + o * D;
-        const float* __restrict__ k1 = k0 + D;
-        const float* __restrict__ k2 = k1 + D;
-        const float* __restrict__ k3 = k2 + D;
-        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-        for (int64_t d = 0; d < D; ++d) {
-          const float qd = qh[d];
-          s0 += qd * k0[d];
-          s1 += qd * k1[d];
-          s2 += qd * k2[d];
-          s3 += qd * k3[d];
-        }
-        sh[o] = s0;
-        sh[o + 1] = s1;
-        sh[o + 2] = s2;
-        sh[o + 3] = s3;
-      }
-      for (; o < n; ++o) {
-        const float* __restrict__ kr = kf + o * D;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < D; ++d) s += qh[d] * kr[d];
-        sh[o] = s;
-      }
-    }
-  }
-  for (int64_t h = 0; h < G; ++h) {  // softmax; each loop a plain one the compiler vectorises
-    float* __restrict__ sh = scores.data() + h * L;
-    float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-    for (int64_t t = 0; t < L; ++t) m = sh[t] > m ? sh[t] : m;
-#pragma omp simd
-    for (int64_t t = 0; t < L; ++t) sh[t] = vec_exp(sh[t] - m);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < L; ++t) sum += sh[t];
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < L; ++t) sh[t] *= inv;
-  }
-  std::fill(acc, acc + G * D, 0.f);
-  for (int64_t j = 0, t0 = 0; t0 < L; ++j, t0 += BS) {
-    const int64_t n = L - t0 < BS ? L - t0 : BS;
-    row_to_float(vp + (g * NB + table[j]) * BS * D, kf, n * D);
-    for (int64_t h = 0; h < G; ++h) {
-      const float* __restrict__ ph = scores.data() + h * L + t0;
-      float* __restrict__ ah = acc + h * D;
-      if constexpr (DC > 0) {  // the head's accumulator in DC / 16 vector registers for the block
-        constexpr int NV = DC / 16;
-        vf16 a[NV];
-#pragma GCC unroll 8
-        for (int v = 0; v < NV; ++v) std::memcpy(&a[v], ah + 16 * v, sizeof(vf16));
-        for (int64_t o = 0; o < n; ++o) {
-          const float p = ph[o];
-          const float* __restrict__ vr = kf + o * DC;
-#pragma GCC unroll 8
-          for (int v = 0; v < NV; ++v) {
-            vf16 x;
-            std::memcpy(&x, vr + 16 * v, sizeof(vf16));
-            a[v] += p * x;
-          }
-        }
-#pragma GCC unroll 8
-        for (int v = 0; v < NV; ++v) std::memcpy(ah + 16 * v, &a[v], sizeof(vf16));
-      } else {
-        for (int64_t o = 0; o < n; ++o) {
-          const float p = ph[o];
-          const float* __restrict__ vr = kf + o * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ah[d] += p * vr[d];
-        }
-      }
-    }
-  }
-}
-
-template <typename T>
-static void attend(const float* qf, const T* kp, const T* vp, int64_t g, int64_t NB, int64_t BS, int64_t D,
-                   const int64_t* table, int64_t L, int64_t G, std::vector<float>& scores, float* kf, float* acc) {
-  if (D == 64) return attend_impl<T, 64>(qf, kp, vp, g, NB, BS, D, table, L, G, scores, kf, acc);
-  if (D == 128) return attend_impl<T, 128>(qf, kp, vp, g, NB, BS, D, table, L, G, scores, kf, acc);
-  attend_impl<T, 0>(qf, kp, vp, g, NB, BS, D, table, L, G, scores, kf, acc);
-}
-
-// Small work (batch 1, a short context) runs on the calling thread: a parallel region costs more.
-static int64_t grain_for(const int64_t* lens, int64_t B, int64_t KVH, int64_t D) {
-  int64_t work = 0;
-  for (int64_t b = 0; b < B; ++b) work += lens[b];
-  return work * KVH * D < (1 << 16) ? B * KVH : 1;
-}
-
-static void check_common(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
-                         const at::Tensor& context_lens, int64_t rows) {
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [KVH, NB, BS, D] alike");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "caches must share a dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables");
-  TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous(), "contiguous tables");
-  TORCH_CHECK(block_tables.size(0) == rows && context_lens.numel() == rows, "one table and length per row");
-}
-
-// q [B, H, D]; block_tables [B, MB]; context_lens [B] -> [B, H, D] like q.
-at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                                  at::Tensor block_tables, at::Tensor context_lens, double scale) {
-  RECORD_FUNCTION("tokenloom::paged_decode_attention", std::vector<c10::IValue>());  // (seen by torch.profiler)
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == k_cache.scalar_type(), "q [B, H, D] in the caches' dtype");
-  check_common(k_cache, v_cache, block_tables, context_lens, q.size(0));
-  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && q.size(2) == k_cache.size(3), "head counts or sizes disagree");
-  auto qc = q.contiguous();
-  auto out = at::empty_like(qc);
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2), G = H / KVH;
-  const int64_t MB = block_tables.size(1);
-  const int64_t* bt = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    const scalar_t* qp = qc.data_ptr<scalar_t>();
-    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, B * KVH, grain_for(lens, B, KVH, D), [&](int64_t begin, int64_t end) {
-      std::vector<float> qf(G * D), acc(G * D), scores, kf(BS * D);
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / KVH, g = i % KVH;
-        row_to_float(qp + (b * H + g * G) * D, qf.data(), G * D);
-        for (auto& x : qf) x *= static_cast<float>(scale);
-        attend(qf.data(), kp, vp, g, NB, BS, D, bt + b * MB, lens[b], G, scores, kf.data(), acc.data());
-        for (int64_t x = 0; x < G * D; ++x) op[(b * H + g * G) * D + x] = static_cast<scalar_t>(acc[x]);
-      }
-    });
-  });
-  return out;
-}
-
-// A decode layer's attention from its fused qkv projection, in one call: RoPE (rotate-half,
-// float32, as the model computes it) on q and k, k and v written to their cache slots (in
-// the cache's dtype), attention over each context including the new token. qkv [B, (H + 2 KVH) D];
-// cos, sin [B, D] float32; slots [B]. Returns [B, H * D] in qkv's dtype.
-at::Tensor decode_layer_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
-                                  at::Tensor v_cache, at::Tensor slots, at::Tensor block_tables,
-                                  at::Tensor context_lens, int64_t num_heads, double scale) {
-  RECORD_FUNCTION("tokenloom::decode_layer_attention", std::vector<c10::IValue>());
-  const int64_t B = qkv.size(0), KVH = k_cache.size(0), D = k_cache.size(3), H = num_heads;
-  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (H + 2 * KVH) * D, "qkv must be [B, (H + 2 KVH) D]");
-  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type(), "qkv in the caches' dtype");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.size(-1) == D, "float32 cos/sin [B, D]");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == B, "one int64 slot per row");
-  check_common(k_cache, v_cache, block_tables, context_lens, B);
-  auto x = qkv.contiguous();
-  auto c = cos.reshape({B, D}).contiguous(), s = sin.reshape({B, D}).contiguous();
-  auto out = at::empty({B, H * D}, qkv.options());
-  const int64_t NB = k_cache.size(1), BS = k_cache.size(2), G = H / KVH, MB = block_tables.size(1);
-  const int64_t half = D / 2, W = (H + 2 * KVH) * D;
-  const int64_t* bt = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  const float* cp = c.data_ptr<float>();
-  const float* sp = s.data_ptr<float>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "decode_layer_attention", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    scalar_t* kp = k_cache.data_ptr<scalar_t>();
-    scalar_t* vp = v_cache.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    // rotate-half RoPE of one head: y = x * cos + rot(x) * sin, rot(x) = (-x[half:], x[:half]);
-    // rounded to the cache dtype, as the model's q.to(dtype) / k.to(dtype) do
-    auto rope = [&](const scalar_t* in, const float* cs, const float* sn, scalar_t* dst) {
-      for (int64_t d = 0; d < D; ++d) {
-        const float xv = static_cast<float>(in[d]);
-        const float rv = d < half ? -static_cast<float>(in[d + half]) : static_cast<float>(in[d - half]);
-        dst[d] = static_cast<scalar_t>(xv * cs[d] + rv * sn[d]);
-      }
-    };
-    // 1. every row's new k, v into the cache (before any attention reads them)
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t blk = sl[b] / BS, off = sl[b] % BS;
-      for (int64_t g = 0; g < KVH; ++g) {
-        scalar_t* kdst = kp + ((g * NB + blk) * BS + off) * D;
-        scalar_t* vdst = vp + ((g * NB + blk) * BS + off) * D;
-        rope(xp + b * W + (H + g) * D, cp + b * D, sp + b * D, kdst);
-        std::copy(xp + b * W + (H + KVH + g) * D, xp + b * W + (H + KVH + g + 1) * D, vdst);
-      }
-    }
-    // 2. attention per (row, KV head)
-    at::parallel_for(0, B * KVH, grain_for(lens, B, KVH, D), [&](int64_t begin, int64_t end) {
-      std::vector<scalar_t> qr(G * D);
-      std::vector<float> qf(G * D), acc(G * D), scores, kf(BS * D);
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / KVH, g = i % KVH;
-        for (int64_t h = 0; h < G; ++h)
-          rope(xp + b * W + (g * G + h) * D, cp + b * D, sp + b * D, qr.data() + h * D);
-        row_to_float(qr.data(), qf.data(), G * D);
-        for (auto& v : qf) v *= static_cast<float>(scale);
-        attend(qf.data(), kp, vp, g, NB, BS, D, bt + b * MB, lens[b], G, scores, kf.data(), acc.data());
-        for (int64_t e = 0; e < G * D; ++e) op[b * H * D + g * G * D + e] = static_cast<scalar_t>(acc[e]);
-      }
-    });
-  });
-  return out;
-}
-
-// h [T, d] float32, updated in place to h + delta (delta: [T, d] of any float dtype, may be a
-// strided view, or absent); returns RMSNorm(h) * weight as (h * rsqrt(mean(h^2) + eps)) * weight
-// in out_dtype, the order F.rms_norm rounds in.
-at::Tensor add_rms_norm(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor weight, double eps,
-                        at::ScalarType out_dtype) {
-  RECORD_FUNCTION("tokenloom::add_rms_norm", std::vector<c10::IValue>());
-  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "h: contiguous float32 [T, d]");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == h.size(1),
-              "weight: float32 [d]");
-  const int64_t T = h.size(0), d = h.size(1);
-  auto x = at::empty({T, d}, h.options().dtype(out_dtype));
-  float* hp = h.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  const bool has_delta = delta.has_value() && delta->defined();
-  if (has_delta) {
-    TORCH_CHECK(delta->dim() == 2 && delta->size(0) == T && delta->size(1) == d && delta->stride(1) == 1,
-                "delta: [T, d] with contiguous rows");
-  }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out_dtype, "add_rms_norm", [&] {
-    using out_t = scalar_t;
-    out_t* xp = x.data_ptr<out_t>();
-    auto body = [&](auto* dp, int64_t dstride) {
-      at::parallel_for(0, T, T * d < (1 << 16) ? T : 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> tmp(dp ? d : 0);
-        for (int64_t r = begin; r < end; ++r) {
-          float* hr = hp + r * d;
-          if (dp) {
-            row_to_float(dp + r * dstride, tmp.data(), d);
-_Pragma("omp simd")
-            for (int64_t i = 0; i < d; ++i) hr[i] += tmp[i];
-          }
-          float ss = 0.f;
-_Pragma("omp simd reduction(+ : ss)")
-          for (int64_t i = 0; i < d; ++i) ss += hr[i] * hr[i];
-          const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(eps));
-          for (int64_t i = 0; i < d; ++i) xp[r * d + i] = static_cast<out_t>((hr[i] * inv) * wp[i]);
-        }
-      });
-    };
-    if (!has_delta) {
-      body(static_cast<const float*>(nullptr), 0);
-    } else {
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, delta->scalar_type(), "add_rms_norm_delta", [&] {
-        body(delta->data_ptr<scalar_t>(), delta->stride(0));
-      });
-    }
-  });
-  return x;
-}
-
-// ---- the captured decode step -------------------------------------------------------
-// The whole decode step of a LLaMA model in one call: the same ops, in the same order and
-// dtypes, as LlamaModel.forward runs them from Python for a pure decode batch, so the
-// output is bit-identical; what goes is Python's ~10 us per op (about 250 ops a step).
-
-// One matmul as the backend packed it (backends/torch_linear.py), mirrored kind by kind.
-struct StepLinear {
-  enum Kind : int64_t { DENSE = 0, INT4 = 1, INT8 = 2, FP32_PACKED = 3 };
-  int64_t kind;
-  at::Tensor a, b;  // DENSE: weight; INT4: packed, scales_zeros; INT8: weight, scales;
-                    // FP32_PACKED: [in, out] copy for MKL (or undefined), oneDNN-packed (or undefined)
-  int64_t group;     // INT4 group size
-  int64_t max_rows;  // quantised: their kernel up to this many rows, `dense` above; FP32: MKL up to, oneDNN above
-  std::shared_ptr<StepLinear> dense;
-
-  StepLinear(int64_t kind, at::Tensor a, at::Tensor b, int64_t group, int64_t max_rows,
-             std::shared_ptr<StepLinear> dense)
-      : kind(kind), a(std::move(a)), b(std::move(b)), group(group), max_rows(max_rows), dense(std::move(dense)) {
-    if (this->a.numel() == 0) this->a = at::Tensor();  // an empty tensor from Python: "absent"
-    if (this->b.numel() == 0) this->b = at::Tensor();
-  }
-
-  at::Tensor apply(const at::Tensor& x) const {
-    const int64_t rows = x.size(0);
-    if (kind == DENSE) return at::linear(x, a);
-    if (kind == FP32_PACKED) {
-      if (!b.defined() || (a.defined() && rows <= max_rows)) return at::mm(x, a);
-      return onednn_linear(x, b);
-    }
-    if (dense && rows > max_rows) return dense->apply(x);
-    const bool bf16 = x.scalar_type() == at::kBFloat16;
-    const at::Tensor xb = bf16 ? x : x.to(at::kBFloat16);
-    at::Tensor y = kind == INT4 ? at::_weight_int4pack_mm_for_cpu(xb, a, group, b) : at::_weight_int8pack_mm(xb, a, b);
-    return bf16 ? y : y.to(x.scalar_type());
-  }
-
-  static at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
-    static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-    torch::jit::Stack stack{x, w, c10::IValue(), std::string("none"), c10::List<std::optional<at::Scalar>>(),
-                            std::string("")};
-    op.callBoxed(&stack);
-    return stack[0].toTensor();
-  }
-};
-
-struct DecodeStep {
-  at::Tensor embed, cos, sin;  // embed [V, d] in the model dtype; cos, sin [max_len, D] float32
-  std::vector<at::Tensor> input_norm, post_norm;
-  std::vector<std::shared_ptr<StepLinear>> qkv, o, gate_up, down;
-  int64_t num_heads;
-  double eps, scale;
-  at::ScalarType dtype;
-  std::vector<at::Tensor> k_caches, v_caches;
-
-  DecodeStep(at::Tensor embed, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> input_norm,
-             std::vector<at::Tensor> post_norm, std::vector<std::shared_ptr<StepLinear>> qkv,
-             std::vector<std::shared_ptr<StepLinear>> o, std::vector<std::shared_ptr<StepLinear>> gate_up,
-             std::vector<std::shared_ptr<StepLinear>> down, int64_t num_heads, double eps, double scale,
-             at::ScalarType dtype)
-      : embed(std::move(embed)), cos(std::move(cos)), sin(std::move(sin)), input_norm(std::move(input_norm)),
-        post_norm(std::move(post_norm)), qkv(std::move(qkv)), o(std::move(o)), gate_up(std::move(gate_up)),
-        down(std::move(down)), num_heads(num_heads), eps(eps), scale(scale), dtype(dtype) {
-    const size_t n = this->input_norm.size();
-    TORCH_CHECK(this->post_norm.size() == n && this->qkv.size() == n && this->o.size() == n &&
-                this->gate_up.size() == n && this->down.size() == n, "one of each weight per layer");
-  }
-
-  void bind(std::vector<at::Tensor> k, std::vector<at::Tensor> v) {
-    TORCH_CHECK(k.size() == input_norm.size() && v.size() == input_norm.size(), "one K and V pool per layer");
-    k_caches = std::move(k);
-    v_caches = std::move(v);
-  }
-
-  // ids, positions, slots [B] int64; tables [B, MB]; lens [B] -> hidden [B, d] float32 (before the final norm)
-  at::Tensor run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slots,
-                 const at::Tensor& tables, const at::Tensor& lens) {
-    TORCH_CHECK(!k_caches.empty(), "bind the KV pools first");
-    c10::InferenceMode inference;
-    RECORD_FUNCTION("tokenloom::decode_step", std::vector<c10::IValue>());  // its self time: the glue between ops
-    // (index_select: the rows Python's embed[ids] gives, without advanced indexing's set-up)
-    at::Tensor h = embed.index_select(0, ids).to(at::kFloat);
-    const at::Tensor c = cos.index_select(0, positions), s = sin.index_select(0, positions);
-    c10::optional<at::Tensor> delta;
-    for (size_t l = 0; l < input_norm.size(); ++l) {
-      at::Tensor x = add_rms_norm(h, delta, input_norm[l], eps, dtype);
-      const at::Tensor attn = decode_layer_attention(qkv[l]->apply(x), c, s, k_caches[l], v_caches[l], slots,
-                                                     tables, lens, num_heads, scale);
-      x = add_rms_norm(h, o[l]->apply(attn), post_norm[l], eps, dtype);
-      const auto gu = gate_up[l]->apply(x).chunk(2, -1);
-      delta = down[l]->apply(at::mul(at::silu(gu[0]), gu[1]));
-    }
-    return at::add(h, *delta);
-  }
-};
-
-// Which hand-vectorised paths this build has ("avx512", else "generic": what the compiler makes of the plain loops).
-std::string simd_path() {
-#if defined(__AVX512F__)
-  return "avx512";
-#else
-  return "generic";
-#endif
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("simd_path", &simd_path);
-  m.def("paged_decode_attention", &paged_decode_attention);
-  m.def("decode_layer_attention", &decode_layer_attention);
-  m.def("add_rms_norm", &add_rms_norm);
-  py::class_<StepLinear, std::shared_ptr<StepLinear>>(m, "StepLinear")
-      .def(py::init<int64_t, at::Tensor, at::Tensor, int64_t, int64_t, std::shared_ptr<StepLinear>>());
-  py::class_<DecodeStep>(m, "DecodeStep")
-      .def(py::init<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                    std::vector<std::shared_ptr<StepLinear>>, std::vector<std::shared_ptr<StepLinear>>,
-                    std::vector<std::shared_ptr<StepLinear>>, std::vector<std::shared_ptr<StepLinear>>, int64_t,
-                    double, double, at::ScalarType>())
-      .def("bind", &DecodeStep::bind)
-      .def("run", &DecodeStep::run, py::call_guard<py::gil_scoped_release>());
-}
-"""
+_CSRC = Path(__file__).resolve().parent / "csrc"
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -504,15 +56,28 @@ def _cflags() -> list[str]:
     return ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", *os.environ.get("TOKENLOOM_CPU_OPS_CFLAGS", "").split()]
 
 
-def _machine_tag() -> str:
-    """Compiled with -march=native: a build is only good for CPUs with the same flags."""
+def _source_files() -> tuple[list[Path], list[Path]]:
+    """The translation units to compile (``csrc/*.cpp``) and the headers they include."""
+    sources, headers = sorted(_CSRC.glob("*.cpp")), sorted(_CSRC.glob("*.h"))
+    if not sources:
+        raise FileNotFoundError(f"no C++ sources in {_CSRC} (an install without the package data?)")
+    return sources, headers
+
+
+def _machine_tag(files: list[Path]) -> str:
+    """Compiled with -march=native: a build is only good for CPUs with the same flags; and
+    it is stale once the C++ (``files``, headers included) or the flags change."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         flags = platform.processor()
-    key = f"{_SOURCE}{flags}{torch.__version__}{_cflags()}".encode()
-    return hashlib.sha1(key).hexdigest()[:10]
+    key = hashlib.sha1()
+    for path in files:
+        key.update(f"{path.name}\0".encode())
+        key.update(path.read_bytes())
+    key.update(f"{flags}{torch.__version__}{_cflags()}".encode())
+    return key.hexdigest()[:10]
 
 
 def _put_ninja_on_path() -> None:
@@ -529,18 +94,20 @@ def _put_ninja_on_path() -> None:
 
 def load():
     """The compiled module (``paged_decode_attention``, ``decode_layer_attention``,
-    ``add_rms_norm``), or None (the reason logged once) where it cannot be built."""
+    ``add_rms_norm``, ``StepLinear``, ``DecodeStep``, ``simd_path``), built on the first
+    call, or None (the reason logged once, then :func:`unavailable_reason`) where it cannot
+    be built."""
     with _lock:
         if "op" not in _state:
             _state["op"], _state["error"] = None, None
             try:
-                from torch.utils.cpp_extension import load_inline
+                from torch.utils.cpp_extension import load as load_extension
 
                 _put_ninja_on_path()
-
-                module = load_inline(name=f"tokenloom_cpu_ops_{_machine_tag()}", cpp_sources=[_SOURCE],
-                                     verbose=False,
-                                     extra_cflags=_cflags(), extra_ldflags=["-fopenmp"])
+                sources, headers = _source_files()
+                module = load_extension(name=f"tokenloom_cpu_ops_{_machine_tag(sources + headers)}",
+                                        sources=[str(path) for path in sources], verbose=False,
+                                        extra_cflags=_cflags(), extra_ldflags=["-fopenmp"])
                 _state["op"] = module
             except Exception as exc:  # no compiler, no ninja, no headers: keep the torch path
                 _state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ''}"

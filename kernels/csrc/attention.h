@@ -1,0 +1,283 @@
+// Decode attention that reads the paged KV cache where it lies: per (sequence, KV head),
+// the group's query heads scored against the keys block by block, a float32 softmax, the
+// weighted sum of the values; no copy of the cache. paged_decode_attention takes q as it
+// is; decode_layer_attention starts from the layer's fused qkv projection (RoPE, the KV
+// write, then the same attention).
+#pragma once
+
+#include "common.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+// exp for float32 that the compiler vectorises (std::exp stays a scalar call): Cephes'
+// expf, range-reduced by powers of two with ln 2 split in two, a degree-6 polynomial; within
+// ~2 ulp of std::exp on [-87.3, 88.7] (clamped there). k = round(x / ln 2) by the 1.5 * 2^23
+// trick: std::floor, as Cephes has it, kept GCC from vectorising the loop at all.
+static inline float vec_exp(float x) {
+  x = x < -87.3365f ? -87.3365f : (x > 88.7228f ? 88.7228f : x);  // (std::min/max take references: not vectorised)
+  const float k = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * std::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
+}
+
+// The G query heads of one KV head (qf [G, D], already scaled) against the first L tokens of
+// one sequence, read block by block where they lie (caches [KVH, NB, BS, D]); acc [G, D] gets
+// the softmax-weighted values. float32 throughout; scores is scratch of G * L, kf of BS * D.
+// Each block's rows are converted once. DC is the head dim when known at compile time (64,
+// 128: the loops over d unroll and a head's value accumulator stays in registers for a whole
+// block; without that it went through memory for every key, a store-to-load chain that cost
+// 3x), or 0 for any other head dim (read from D).
+typedef float vf16 __attribute__((vector_size(64)));  // GCC/Clang vectors: AVX-512, or split for AVX2
+
+template <typename T, int DC>
+static void attend_impl(const float* qf, const T* kp, const T* vp, int64_t g, int64_t NB, int64_t BS, int64_t Drt,
+                        const int64_t* table, int64_t L, int64_t G, std::vector<float>& scores, float* kf,
+                        float* acc) {
+  const int64_t D = DC > 0 ? DC : Drt;
+  scores.resize(G * L);
+  for (int64_t j = 0, t0 = 0; t0 < L; ++j, t0 += BS) {
+    const int64_t n = L - t0 < BS ? L - t0 : BS;
+    row_to_float(kp + (g * NB + table[j]) * BS * D, kf, n * D);
+    for (int64_t h = 0; h < G; ++h) {
+      const float* __restrict__ qh = qf + h * D;
+      float* sh = scores.data() + h * L + t0;
+      int64_t o = 0;
+#if defined(__AVX512F__)
+      if constexpr (DC > 0) {  // four keys a pass in vector registers, their four sums in one shuffle tree
+        constexpr int NV = DC / 16;
+        __m512 qv[NV];
+        for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(qh + 16 * v);
+        for (; o + 4 <= n; o += 4) {
+          __m512 s4[4];
+          for (int i = 0; i < 4; ++i) {
+            const float* kr = kf + (o + i) * DC;
+            __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+            for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(kr + 16 * v), a);
+            s4[i] = a;
+          }
+          const __m512 a01 = _mm512_add_ps(_mm512_unpacklo_ps(s4[0], s4[1]), _mm512_unpackhi_ps(s4[0], s4[1]));
+          const __m512 a23 = _mm512_add_ps(_mm512_unpacklo_ps(s4[2], s4[3]), _mm512_unpackhi_ps(s4[2], s4[3]));
+          const __m512 b = _mm512_add_ps(_mm512_shuffle_ps(a01, a23, 0x44), _mm512_shuffle_ps(a01, a23, 0xEE));
+          const __m256 c = _mm256_add_ps(_mm512_castps512_ps256(b), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b), 1)));
+          _mm_storeu_ps(sh + o, _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1)));
+        }
+      }
+#endif
+      for (; o + 4 <= n; o += 4) {  // four keys a pass: the reductions' latencies overlap
+        const float* __restrict__ k0 = kf + o * D;
+        const float* __restrict__ k1 = k0 + D;
+        const float* __restrict__ k2 = k1 + D;
+        const float* __restrict__ k3 = k2 + D;
+        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+        for (int64_t d = 0; d < D; ++d) {
+          const float qd = qh[d];
+          s0 += qd * k0[d];
+          s1 += qd * k1[d];
+          s2 += qd * k2[d];
+          s3 += qd * k3[d];
+        }
+        sh[o] = s0;
+        sh[o + 1] = s1;
+        sh[o + 2] = s2;
+        sh[o + 3] = s3;
+      }
+      for (; o < n; ++o) {
+        const float* __restrict__ kr = kf + o * D;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < D; ++d) s += qh[d] * kr[d];
+        sh[o] = s;
+      }
+    }
+  }
+  for (int64_t h = 0; h < G; ++h) {  // softmax; each loop a plain one the compiler vectorises
+    float* __restrict__ sh = scores.data() + h * L;
+    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 0; t < L; ++t) m = sh[t] > m ? sh[t] : m;
+#pragma omp simd
+    for (int64_t t = 0; t < L; ++t) sh[t] = vec_exp(sh[t] - m);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < L; ++t) sum += sh[t];
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < L; ++t) sh[t] *= inv;
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t j = 0, t0 = 0; t0 < L; ++j, t0 += BS) {
+    const int64_t n = L - t0 < BS ? L - t0 : BS;
+    row_to_float(vp + (g * NB + table[j]) * BS * D, kf, n * D);
+    for (int64_t h = 0; h < G; ++h) {
+      const float* __restrict__ ph = scores.data() + h * L + t0;
+      float* __restrict__ ah = acc + h * D;
+      if constexpr (DC > 0) {  // the head's accumulator in DC / 16 vector registers for the block
+        constexpr int NV = DC / 16;
+        vf16 a[NV];
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) std::memcpy(&a[v], ah + 16 * v, sizeof(vf16));
+        for (int64_t o = 0; o < n; ++o) {
+          const float p = ph[o];
+          const float* __restrict__ vr = kf + o * DC;
+#pragma GCC unroll 8
+          for (int v = 0; v < NV; ++v) {
+            vf16 x;
+            std::memcpy(&x, vr + 16 * v, sizeof(vf16));
+            a[v] += p * x;
+          }
+        }
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) std::memcpy(ah + 16 * v, &a[v], sizeof(vf16));
+      } else {
+        for (int64_t o = 0; o < n; ++o) {
+          const float p = ph[o];
+          const float* __restrict__ vr = kf + o * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ah[d] += p * vr[d];
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+static void attend(const float* qf, const T* kp, const T* vp, int64_t g, int64_t NB, int64_t BS, int64_t D,
+                   const int64_t* table, int64_t L, int64_t G, std::vector<float>& scores, float* kf, float* acc) {
+  if (D == 64) return attend_impl<T, 64>(qf, kp, vp, g, NB, BS, D, table, L, G, scores, kf, acc);
+  if (D == 128) return attend_impl<T, 128>(qf, kp, vp, g, NB, BS, D, table, L, G, scores, kf, acc);
+  attend_impl<T, 0>(qf, kp, vp, g, NB, BS, D, table, L, G, scores, kf, acc);
+}
+
+// Small work (batch 1, a short context) runs on the calling thread: a parallel region costs more.
+static int64_t grain_for(const int64_t* lens, int64_t B, int64_t KVH, int64_t D) {
+  int64_t work = 0;
+  for (int64_t b = 0; b < B; ++b) work += lens[b];
+  return work * KVH * D < (1 << 16) ? B * KVH : 1;
+}
+
+static void check_common(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+                         const at::Tensor& context_lens, int64_t rows) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [KVH, NB, BS, D] alike");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "caches must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables");
+  TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous(), "contiguous tables");
+  TORCH_CHECK(block_tables.size(0) == rows && context_lens.numel() == rows, "one table and length per row");
+}
+
+// q [B, H, D]; block_tables [B, MB]; context_lens [B] -> [B, H, D] like q.
+inline at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                         at::Tensor block_tables, at::Tensor context_lens, double scale) {
+  RECORD_FUNCTION("tokenloom::paged_decode_attention", std::vector<c10::IValue>());  // (seen by torch.profiler)
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == k_cache.scalar_type(), "q [B, H, D] in the caches' dtype");
+  check_common(k_cache, v_cache, block_tables, context_lens, q.size(0));
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && q.size(2) == k_cache.size(3), "head counts or sizes disagree");
+  auto qc = q.contiguous();
+  auto out = at::empty_like(qc);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2), G = H / KVH;
+  const int64_t MB = block_tables.size(1);
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    const scalar_t* qp = qc.data_ptr<scalar_t>();
+    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, B * KVH, grain_for(lens, B, KVH, D), [&](int64_t begin, int64_t end) {
+      std::vector<float> qf(G * D), acc(G * D), scores, kf(BS * D);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / KVH, g = i % KVH;
+        row_to_float(qp + (b * H + g * G) * D, qf.data(), G * D);
+        for (auto& x : qf) x *= static_cast<float>(scale);
+        attend(qf.data(), kp, vp, g, NB, BS, D, bt + b * MB, lens[b], G, scores, kf.data(), acc.data());
+        for (int64_t x = 0; x < G * D; ++x) op[(b * H + g * G) * D + x] = static_cast<scalar_t>(acc[x]);
+      }
+    });
+  });
+  return out;
+}
+
+// A decode layer's attention from its fused qkv projection, in one call: RoPE (rotate-half,
+// float32, as the model computes it) on q and k, k and v written to their cache slots (in
+// the cache's dtype), attention over each context including the new token. qkv [B, (H + 2 KVH) D];
+// cos, sin [B, D] float32; slots [B]. Returns [B, H * D] in qkv's dtype.
+inline at::Tensor decode_layer_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
+                                         at::Tensor v_cache, at::Tensor slots, at::Tensor block_tables,
+                                         at::Tensor context_lens, int64_t num_heads, double scale) {
+  RECORD_FUNCTION("tokenloom::decode_layer_attention", std::vector<c10::IValue>());
+  const int64_t B = qkv.size(0), KVH = k_cache.size(0), D = k_cache.size(3), H = num_heads;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (H + 2 * KVH) * D, "qkv must be [B, (H + 2 KVH) D]");
+  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type(), "qkv in the caches' dtype");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.size(-1) == D, "float32 cos/sin [B, D]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == B, "one int64 slot per row");
+  check_common(k_cache, v_cache, block_tables, context_lens, B);
+  auto x = qkv.contiguous();
+  auto c = cos.reshape({B, D}).contiguous(), s = sin.reshape({B, D}).contiguous();
+  auto out = at::empty({B, H * D}, qkv.options());
+  const int64_t NB = k_cache.size(1), BS = k_cache.size(2), G = H / KVH, MB = block_tables.size(1);
+  const int64_t half = D / 2, W = (H + 2 * KVH) * D;
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const float* cp = c.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "decode_layer_attention", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* kp = k_cache.data_ptr<scalar_t>();
+    scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    // rotate-half RoPE of one head: y = x * cos + rot(x) * sin, rot(x) = (-x[half:], x[:half]);
+    // rounded to the cache dtype, as the model's q.to(dtype) / k.to(dtype) do
+    auto rope = [&](const scalar_t* in, const float* cs, const float* sn, scalar_t* dst) {
+      for (int64_t d = 0; d < D; ++d) {
+        const float xv = static_cast<float>(in[d]);
+        const float rv = d < half ? -static_cast<float>(in[d + half]) : static_cast<float>(in[d - half]);
+        dst[d] = static_cast<scalar_t>(xv * cs[d] + rv * sn[d]);
+      }
+    };
+    // 1. every row's new k, v into the cache (before any attention reads them)
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t blk = sl[b] / BS, off = sl[b] % BS;
+      for (int64_t g = 0; g < KVH; ++g) {
+        scalar_t* kdst = kp + ((g * NB + blk) * BS + off) * D;
+        scalar_t* vdst = vp + ((g * NB + blk) * BS + off) * D;
+        rope(xp + b * W + (H + g) * D, cp + b * D, sp + b * D, kdst);
+        std::copy(xp + b * W + (H + KVH + g) * D, xp + b * W + (H + KVH + g + 1) * D, vdst);
+      }
+    }
+    // 2. attention per (row, KV head)
+    at::parallel_for(0, B * KVH, grain_for(lens, B, KVH, D), [&](int64_t begin, int64_t end) {
+      std::vector<scalar_t> qr(G * D);
+      std::vector<float> qf(G * D), acc(G * D), scores, kf(BS * D);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / KVH, g = i % KVH;
+        for (int64_t h = 0; h < G; ++h)
+          rope(xp + b * W + (g * G + h) * D, cp + b * D, sp + b * D, qr.data() + h * D);
+        row_to_float(qr.data(), qf.data(), G * D);
+        for (auto& v : qf) v *= static_cast<float>(scale);
+        attend(qf.data(), kp, vp, g, NB, BS, D, bt + b * MB, lens[b], G, scores, kf.data(), acc.data());
+        for (int64_t e = 0; e < G * D; ++e) op[b * H * D + g * G * D + e] = static_cast<scalar_t>(acc[e]);
+      }
+    });
+  });
+  return out;
+}

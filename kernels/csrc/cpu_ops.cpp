@@ -1,0 +1,133 @@
+// The CPU ops' one translation unit (built by kernels/cpu_ops.py): the captured decode step
+// (StepLinear, DecodeStep) and the Python bindings of all the ops, whose kernels are in
+// attention.h (decode attention) and rms_norm.h (the residual add fused with RMSNorm).
+#include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
+#include <c10/core/InferenceMode.h>
+
+#include "attention.h"
+#include "rms_norm.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+// The whole decode step of a LLaMA model in one call: the same ops, in the same order and
+// dtypes, as LlamaModel.forward runs them from Python for a pure decode batch, so the
+// output is bit-identical; what goes is Python's ~10 us per op (about 250 ops a step).
+
+// One matmul as the backend packed it (backends/torch_linear.py), mirrored kind by kind.
+struct StepLinear {
+  enum Kind : int64_t { DENSE = 0, INT4 = 1, INT8 = 2, FP32_PACKED = 3 };
+  int64_t kind;
+  at::Tensor a, b;  // DENSE: weight; INT4: packed, scales_zeros; INT8: weight, scales;
+                    // FP32_PACKED: [in, out] copy for MKL (or undefined), oneDNN-packed (or undefined)
+  int64_t group;     // INT4 group size
+  int64_t max_rows;  // quantised: their kernel up to this many rows, `dense` above; FP32: MKL up to, oneDNN above
+  std::shared_ptr<StepLinear> dense;
+
+  StepLinear(int64_t kind, at::Tensor a, at::Tensor b, int64_t group, int64_t max_rows,
+             std::shared_ptr<StepLinear> dense)
+      : kind(kind), a(std::move(a)), b(std::move(b)), group(group), max_rows(max_rows), dense(std::move(dense)) {
+    if (this->a.numel() == 0) this->a = at::Tensor();  // an empty tensor from Python: "absent"
+    if (this->b.numel() == 0) this->b = at::Tensor();
+  }
+
+  at::Tensor apply(const at::Tensor& x) const {
+    const int64_t rows = x.size(0);
+    if (kind == DENSE) return at::linear(x, a);
+    if (kind == FP32_PACKED) {
+      if (!b.defined() || (a.defined() && rows <= max_rows)) return at::mm(x, a);
+      return onednn_linear(x, b);
+    }
+    if (dense && rows > max_rows) return dense->apply(x);
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    const at::Tensor xb = bf16 ? x : x.to(at::kBFloat16);
+    at::Tensor y = kind == INT4 ? at::_weight_int4pack_mm_for_cpu(xb, a, group, b) : at::_weight_int8pack_mm(xb, a, b);
+    return bf16 ? y : y.to(x.scalar_type());
+  }
+
+  static at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
+    static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    torch::jit::Stack stack{x, w, c10::IValue(), std::string("none"), c10::List<std::optional<at::Scalar>>(),
+                            std::string("")};
+    op.callBoxed(&stack);
+    return stack[0].toTensor();
+  }
+};
+
+struct DecodeStep {
+  at::Tensor embed, cos, sin;  // embed [V, d] in the model dtype; cos, sin [max_len, D] float32
+  std::vector<at::Tensor> input_norm, post_norm;
+  std::vector<std::shared_ptr<StepLinear>> qkv, o, gate_up, down;
+  int64_t num_heads;
+  double eps, scale;
+  at::ScalarType dtype;
+  std::vector<at::Tensor> k_caches, v_caches;
+
+  DecodeStep(at::Tensor embed, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> input_norm,
+             std::vector<at::Tensor> post_norm, std::vector<std::shared_ptr<StepLinear>> qkv,
+             std::vector<std::shared_ptr<StepLinear>> o, std::vector<std::shared_ptr<StepLinear>> gate_up,
+             std::vector<std::shared_ptr<StepLinear>> down, int64_t num_heads, double eps, double scale,
+             at::ScalarType dtype)
+      : embed(std::move(embed)), cos(std::move(cos)), sin(std::move(sin)), input_norm(std::move(input_norm)),
+        post_norm(std::move(post_norm)), qkv(std::move(qkv)), o(std::move(o)), gate_up(std::move(gate_up)),
+        down(std::move(down)), num_heads(num_heads), eps(eps), scale(scale), dtype(dtype) {
+    const size_t n = this->input_norm.size();
+    TORCH_CHECK(this->post_norm.size() == n && this->qkv.size() == n && this->o.size() == n &&
+                this->gate_up.size() == n && this->down.size() == n, "one of each weight per layer");
+  }
+
+  void bind(std::vector<at::Tensor> k, std::vector<at::Tensor> v) {
+    TORCH_CHECK(k.size() == input_norm.size() && v.size() == input_norm.size(), "one K and V pool per layer");
+    k_caches = std::move(k);
+    v_caches = std::move(v);
+  }
+
+  // ids, positions, slots [B] int64; tables [B, MB]; lens [B] -> hidden [B, d] float32 (before the final norm)
+  at::Tensor run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slots,
+                 const at::Tensor& tables, const at::Tensor& lens) {
+    TORCH_CHECK(!k_caches.empty(), "bind the KV pools first");
+    c10::InferenceMode inference;
+    RECORD_FUNCTION("tokenloom::decode_step", std::vector<c10::IValue>());  // its self time: the glue between ops
+    // (index_select: the rows Python's embed[ids] gives, without advanced indexing's set-up)
+    at::Tensor h = embed.index_select(0, ids).to(at::kFloat);
+    const at::Tensor c = cos.index_select(0, positions), s = sin.index_select(0, positions);
+    c10::optional<at::Tensor> delta;
+    for (size_t l = 0; l < input_norm.size(); ++l) {
+      at::Tensor x = add_rms_norm(h, delta, input_norm[l], eps, dtype);
+      const at::Tensor attn = decode_layer_attention(qkv[l]->apply(x), c, s, k_caches[l], v_caches[l], slots,
+                                                     tables, lens, num_heads, scale);
+      x = add_rms_norm(h, o[l]->apply(attn), post_norm[l], eps, dtype);
+      const auto gu = gate_up[l]->apply(x).chunk(2, -1);
+      delta = down[l]->apply(at::mul(at::silu(gu[0]), gu[1]));
+    }
+    return at::add(h, *delta);
+  }
+};
+
+// Which hand-vectorised paths this build has ("avx512", else "generic": what the compiler makes of the plain loops).
+std::string simd_path() {
+#if defined(__AVX512F__)
+  return "avx512";
+#else
+  return "generic";
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("simd_path", &simd_path);
+  m.def("paged_decode_attention", &paged_decode_attention);
+  m.def("decode_layer_attention", &decode_layer_attention);
+  m.def("add_rms_norm", &add_rms_norm);
+  py::class_<StepLinear, std::shared_ptr<StepLinear>>(m, "StepLinear")
+      .def(py::init<int64_t, at::Tensor, at::Tensor, int64_t, int64_t, std::shared_ptr<StepLinear>>());
+  py::class_<DecodeStep>(m, "DecodeStep")
+      .def(py::init<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                    std::vector<std::shared_ptr<StepLinear>>, std::vector<std::shared_ptr<StepLinear>>,
+                    std::vector<std::shared_ptr<StepLinear>>, std::vector<std::shared_ptr<StepLinear>>, int64_t,
+                    double, double, at::ScalarType>())
+      .def("bind", &DecodeStep::bind)
+      .def("run", &DecodeStep::run, py::call_guard<py::gil_scoped_release>());
+}
