@@ -79,9 +79,9 @@ def _check_usable(device: torch.device) -> None:
                               "interpreter on CPU (about 1000x slower: for tests)")
     else:
         raise ConfigError(f"backend = triton runs on cuda (or on cpu under TRITON_INTERPRET=1), not {device.type}")
-    from tokenloom.kernels.triton import _common
+    from tokenloom.kernels.triton import common
 
-    if _common.INTERPRET != interpret:
+    if common.INTERPRET != interpret:
         raise ConfigError("backend = triton: TRITON_INTERPRET changed after the kernels were defined; "
                           "set it before anything imports tokenloom.kernels.triton")
 

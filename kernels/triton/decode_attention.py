@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (
+from .common import (
     FLOAT_DTYPES,
     INT_DTYPES,
     check_kv_pool,

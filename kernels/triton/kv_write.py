@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check_shape, check_tensor, next_pow2
+from .common import FLOAT_DTYPES, check_shape, check_tensor, next_pow2
 
 #: storage dtype -> (kernel mode, qmax); mode 0 is a plain pool of the model dtype
 _QUANT = {torch.float8_e4m3fn: (1, 448.0), torch.int8: (2, 127.0)}

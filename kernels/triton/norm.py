@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check_shape, check_tensor, next_pow2
+from .common import FLOAT_DTYPES, check_shape, check_tensor, next_pow2
 
 
 @triton.jit
