@@ -1,12 +1,16 @@
 """Every hook tokenloom defines. Plugins implement them with ``@hookimpl``.
 
-Three kinds, three verbs:
+Two kinds of hook exist, each with its own verb:
 
-* ``register_*(register)`` — called once at start-up for each plugin that implements it;
-  the plugin calls ``register(name, factory, options=..., requires=..., conflicts=...)``
-  for each strategy it provides. The hot loop never goes through pluggy.
+* ``register_*(register)`` collects: called once at start-up for each plugin that
+  implements it; the plugin calls ``register(name, factory, options=..., requires=...,
+  conflicts=...)`` for each strategy it provides. The hot loop never goes through pluggy.
 * event hooks (``engine_started``, ``step_finished``, ``request_finished``) notify
   observers; the engine skips them when nothing implements them.
+
+There is no ``firstresult`` ("who claims this?") hook: where something must be claimed,
+the registered objects answer themselves (a model format's ``claims(path)``, tried in
+registration order).
 """
 
 from __future__ import annotations
