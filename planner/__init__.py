@@ -15,6 +15,7 @@ from tokenloom.core.config import EngineOptions
 from tokenloom.core.errors import ClientError
 from tokenloom.core.models.config import ModelConfig
 from tokenloom.core.runner import DTYPES, ModelRunner, pick_device, pick_dtype
+from tokenloom.core.utils import cdiv
 from tokenloom.planner.checkpoint import CheckpointInfo, GGUFTensorInfo, read_checkpoint
 from tokenloom.planner.weights import (
     FORMATS,
@@ -23,7 +24,6 @@ from tokenloom.planner.weights import (
     num_params,
     weight_rows,
 )
-from tokenloom.plugins.cache.paged import cdiv
 from tokenloom.plugins.schedulers.continuous import ContinuousOptions
 
 __all__ = ["FORMATS", "KNOWN_QUANTIZERS", "CheckpointInfo", "GGUFTensorInfo", "MemoryPlan", "Overhead",

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from tokenloom.core.errors import ClientError
 from tokenloom.core.models.config import ModelConfig
+from tokenloom.core.utils import cdiv
 from tokenloom.planner.checkpoint import CheckpointInfo, GGUFTensorInfo
-from tokenloom.plugins.cache.paged import cdiv
 from tokenloom.plugins.quantizers.online import fit_group
 
 #: GGUF block types the engine keeps quantised: (weights per block, bytes per block)

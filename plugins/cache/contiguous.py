@@ -9,7 +9,7 @@ import msgspec
 from tokenloom.core.hookspecs import hookimpl
 from tokenloom.core.interfaces import CacheStats
 from tokenloom.core.sequence import Sequence
-from tokenloom.plugins.cache.paged import cdiv
+from tokenloom.core.utils import cdiv
 
 
 class ContiguousOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

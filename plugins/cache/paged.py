@@ -23,14 +23,11 @@ import msgspec
 from tokenloom.core.hookspecs import hookimpl
 from tokenloom.core.interfaces import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, CacheStats
 from tokenloom.core.sequence import Sequence
+from tokenloom.core.utils import cdiv
 
 
 class PagedOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     enable_prefix_caching: bool = True
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(slots=True)

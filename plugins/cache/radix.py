@@ -27,7 +27,7 @@ import msgspec
 from tokenloom.core.hookspecs import hookimpl
 from tokenloom.core.interfaces import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, CacheStats
 from tokenloom.core.sequence import Sequence
-from tokenloom.plugins.cache.paged import cdiv
+from tokenloom.core.utils import cdiv
 
 
 class RadixOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
