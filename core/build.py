@@ -10,7 +10,7 @@ from typing import Any
 import structlog
 import torch
 
-from tokenloom.core import env
+from tokenloom.core import contracts, env
 from tokenloom.core.config import EngineConfig, build_config, load_toml
 from tokenloom.core.errors import ConfigError
 from tokenloom.core.executor import (
@@ -23,7 +23,14 @@ from tokenloom.core.executor import (
     start_workers,
     torchrun_env,
 )
-from tokenloom.core.interfaces import DecoderContext
+from tokenloom.core.interfaces import (
+    Backend,
+    CacheManager,
+    Decoder,
+    DecoderContext,
+    Quantizer,
+    Scheduler,
+)
 from tokenloom.core.loader.resolve import resolve_model_path
 from tokenloom.core.parallel import TensorParallel
 from tokenloom.core.plugins import PluginManager
@@ -75,8 +82,7 @@ def load_second_model(config: EngineConfig, pm: PluginManager, backend, device, 
 
     e = config.engine
     torch_dtype = pick_dtype(dtype, device)
-    formats = {name: entry.factory for name, entry in pm.entries("model_format").items()}
-    ckpt = load_checkpoint(resolve_model_path(model or e.model), formats, torch_dtype)
+    ckpt = load_checkpoint(resolve_model_path(model or e.model), contracts.model_formats(pm), torch_dtype)
     if num_layers is not None:
         if not 1 <= num_layers <= ckpt.config.num_layers:
             raise ValueError(f"num_layers must be in 1..{ckpt.config.num_layers}, got {num_layers}")
@@ -85,7 +91,7 @@ def load_second_model(config: EngineConfig, pm: PluginManager, backend, device, 
                         if not k.startswith("model.layers.") or any(k.startswith(p) for p in keep)}
         ckpt.config = dataclasses.replace(ckpt.config, num_layers=num_layers)
     method = quantizer or ckpt.quant_method or "none"
-    q = pm.get("quantizer", method).factory(None)
+    q = contracts.build(pm.get("quantizer", method), None)
     max_len = min(e.max_model_len or ckpt.config.max_position_embeddings, ckpt.config.max_position_embeddings)
     runner = ModelRunner(ckpt, backend=backend, quantizer=q, dtype=torch_dtype, device=device,
                          block_size=e.block_size, max_model_len=max_len, seed=e.seed + 1, capture=e.capture)
@@ -112,14 +118,14 @@ def build_runner(config: EngineConfig, pm: PluginManager, tp: TensorParallel, de
     e = config.engine
     dtype = pick_dtype(e.dtype, device)
     backend_entry = pm.get("backend", config.backend.name)
-    formats = {name: entry.factory for name, entry in pm.entries("model_format").items()}
-    ckpt = load_checkpoint(resolve_model_path(e.model), formats, dtype, progress)
+    ckpt = load_checkpoint(resolve_model_path(e.model), contracts.model_formats(pm), dtype, progress)
     mcfg, tokenizer, name, fmt = ckpt.config, ckpt.tokenizer, ckpt.name, ckpt.format
     max_model_len = min(e.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-    backend = backend_entry.factory(config.backend.options, device)
+    backend: Backend = contracts.build(backend_entry, config.backend.options, device)
     # The quantisation method: [quantizer] if given, else what the checkpoint says it is.
     method = config.quantizer.name if config.quantizer is not None else (ckpt.quant_method or "none")
-    quantizer = pm.get("quantizer", method).factory(config.quantizer.options if config.quantizer else None)
+    quantizer: Quantizer = contracts.build(pm.get("quantizer", method),
+                                           config.quantizer.options if config.quantizer else None)
     runner = ModelRunner(ckpt, backend=backend, quantizer=quantizer, dtype=dtype, device=device,
                          block_size=e.block_size, max_model_len=max_model_len, seed=e.seed, tp=tp,
                          capture=e.capture)
@@ -209,13 +215,14 @@ def _build_rest(config: EngineConfig, pm: PluginManager, loaded: LoadedRunner, e
     num_blocks = e.num_kv_blocks or ModelRunner.num_blocks_for(tp.largest_config(mcfg), dtype, e.block_size,
                                                                e.kv_cache_memory_mb, e.kv_cache_dtype)
     executor.allocate_kv_cache(num_blocks, e.kv_cache_dtype)
-    cache = pm.get("cache_manager", config.cache_manager.name).factory(
-        config.cache_manager.options, num_blocks, e.block_size)
-    scheduler = pm.get("scheduler", config.scheduler.name).factory(config.scheduler.options, cache, config)
+    cache: CacheManager = contracts.build(pm.get("cache_manager", config.cache_manager.name),
+                                          config.cache_manager.options, num_blocks, e.block_size)
+    scheduler: Scheduler = contracts.build(pm.get("scheduler", config.scheduler.name), config.scheduler.options,
+                                           cache, config)
     context = DecoderContext(config=config, plugin_manager=pm, model_config=mcfg, cache=cache, runner=runner,
                              load_model=lambda **kw: load_second_model(config, pm, backend, device, **kw),
                              model_name=name, executor=executor)
-    decoder = pm.get("decoder", config.decoder.name).factory(config.decoder.options, context)
+    decoder: Decoder = contracts.build(pm.get("decoder", config.decoder.name), config.decoder.options, context)
     log.info("engine_built", model=name, format=loaded.format, quantization=loaded.quantization, device=str(device),
              dtype=str(dtype), num_kv_blocks=num_blocks, block_size=e.block_size, max_model_len=loaded.max_model_len,
              tensor_parallel_size=executor.world_size, captured_step=runner.captured,

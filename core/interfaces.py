@@ -3,12 +3,19 @@ directly; pluggy is only used at start-up to find the factories that build them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from tokenloom.core.outputs import Finished
 from tokenloom.core.sequence import Batch, Sequence
 from tokenloom.core.weights import LinearSlot, LinearWeight, WeightSpec
+
+if TYPE_CHECKING:  # for annotations only: keeps the loaders out of every plugin's imports
+    import torch
+
+    from tokenloom.core.loader import LoadedCheckpoint
 
 BLOCK_FREE, BLOCK_USED, BLOCK_CACHED = 0, 1, 2  # CacheManager.block_states() values
 
@@ -177,6 +184,20 @@ class Quantizer(Protocol):
         part's ``.weight``, or ``.qweight``/``.qzeros``/``.scales``/``.g_idx`` for GPTQ)
         and return the fused weight [sum of the parts' out features, in features]. A
         missing or misshapen tensor raises ValueError naming it."""
+
+
+@runtime_checkable
+class ModelFormat(Protocol):
+    """A checkpoint format (GGUF file, Hugging Face directory). The registered formats are
+    asked in turn; the first whose ``claims`` is true loads the checkpoint."""
+
+    def claims(self, path: Path) -> bool:
+        """Is ``path`` a checkpoint of this format? Cheap: reads a header at most."""
+
+    def load(self, path: Path, dtype: torch.dtype,
+             progress: Callable[[int, int], None] | None = None) -> LoadedCheckpoint:
+        """The checkpoint's config, raw tensors (quantised ones untouched), tokenizer and
+        quantisation metadata; ``progress(done, total)`` as tensors are read."""
 
 
 @runtime_checkable

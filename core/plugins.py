@@ -85,8 +85,18 @@ class PluginManager:
         self._entries: dict[str, dict[str, PluginEntry]] | None = None
 
     def register(self, plugin: object, name: str | None = None, package: str = "(in-process)") -> None:
-        name = self.pm.register(plugin, name=name)
-        self._package_of[name] = package
+        if name is None and not hasattr(plugin, "__name__"):
+            # an object (pluggy would name it by its id()): named after its class, so that
+            # `tokenloom plugins` and the start-up checks' messages can say which it is
+            base = f"{type(plugin).__module__}.{type(plugin).__qualname__}"
+            name, n = base, 1
+            while self.pm.has_plugin(name):
+                n += 1
+                name = f"{base}#{n}"
+        registered = self.pm.register(plugin, name=name)
+        if registered is None:  # pluggy refuses a plugin blocked by name: nothing to record
+            return
+        self._package_of[registered] = package
         self._entries = None
 
     def _load_entry_points(self) -> None:

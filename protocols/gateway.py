@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import msgspec
 import structlog
 
+from tokenloom.core import contracts
 from tokenloom.core.errors import EngineUnavailable
 from tokenloom.core.interfaces import Frontend, FrontendContext
 from tokenloom.core.sampling_params import SamplingParams
@@ -183,7 +184,7 @@ class FrontendHost:
         context = FrontendContext(engine=self.engine, host=o.host, gateway=self.gateway)
         try:
             for chosen in self.engine.config.frontends:
-                frontend = self.pm.get("frontend", chosen.name).factory(chosen.options, context)
+                frontend: Frontend = contracts.build(self.pm.get("frontend", chosen.name), chosen.options, context)
                 await frontend.start()
                 self.frontends.append(frontend)
         except BaseException:
