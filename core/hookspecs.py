@@ -31,6 +31,9 @@ def register_schedulers(register):
     :param register: ``register(name, factory, *, options=None, requires=None,
         conflicts=None, description="")``. ``factory(options, cache_manager, engine_config)``
         must return an object satisfying :class:`tokenloom.core.interfaces.Scheduler`.
+        Every factory's result is checked against its role's Protocol at start-up (a
+        frontend's when the server mounts it; core/contracts.py): a missing method fails
+        there, naming it.
         ``options`` is a msgspec Struct type; the config section of this strategy is
         converted to it, so an unknown key fails naming the key.
     :returns: nothing; results are ignored.
@@ -101,9 +104,10 @@ def register_model_formats(register):
 
     Called once per plugin manager, at start-up.
 
-    :param register: as for :func:`register_schedulers`; ``factory()`` returns an object
-        with ``claims(path) -> bool`` and ``load(path, dtype, progress) -> LoadedModel``.
-        The first format whose ``claims`` is true loads the checkpoint.
+    :param register: as for :func:`register_schedulers`; ``factory()`` returns a
+        :class:`tokenloom.core.interfaces.ModelFormat`: ``claims(path) -> bool`` and
+        ``load(path, dtype, progress) -> LoadedCheckpoint``. Every format is built and
+        checked at start-up; the first whose ``claims`` is true loads the checkpoint.
     :returns: nothing; results are ignored.
     """
 

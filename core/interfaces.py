@@ -136,9 +136,12 @@ class CacheManager(Protocol):
 class Scheduler(Protocol):
     """Decides which sequences run each step under its budgets. Per step the engine calls
     ``schedule()``, runs the batch, then ``observe(batch, step_time_s)``; at a request's end
-    ``finish`` (stop/length) or ``abort``, then ``on_finished``. ``observe``, ``on_finished``
-    and ``stats`` are optional: ``QueueScheduler`` (plugins/schedulers/base.py) gives them
-    no-op defaults."""
+    ``finish`` (stop/length) or ``abort``, then ``on_finished``; ``engine.stats()`` calls
+    ``stats``. Every method here is required, none optional: the engine calls ``observe``
+    every step and ``on_finished`` for every request without asking whether they exist, and
+    start-up refuses a scheduler that lacks one (core/contracts.py). A scheduler with
+    nothing to learn, count or report inherits the no-ops of ``QueueScheduler``
+    (plugins/schedulers/base.py)."""
 
     def add(self, seq: Sequence) -> None: ...
 
@@ -324,11 +327,12 @@ class Backend(Protocol):
 
     def decode_attention_block(self, qkv, cos, sin, k_cache, v_cache, meta: Any, num_heads: int,
                                scale: float) -> Any:
-        """Optional fast path of a decode step's attention, from a layer's fused qkv output
+        """A fast path of a decode step's attention, from a layer's fused qkv output
         ``[T, (H + 2 KVH) * D]`` and float32 ``cos``/``sin`` of the positions: RoPE on q and
         k, the KV write and attention in one call; returns ``[T, H * D]`` in qkv's dtype, or
         None when it does not apply (the model then calls ``write_kv`` and ``attention``).
-        A backend without such a path returns None."""
+        Required like every method here (the model calls it every decode step); a backend
+        without such a path returns None."""
 
     def rope(self, x, cos, sin):
         """Rotary embedding, rotate-half (neox) form: ``x [T, heads, head_dim]`` (q and k heads

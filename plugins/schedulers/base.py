@@ -11,7 +11,7 @@ from tokenloom.core.sequence import Batch, Sequence, SequenceStatus, draft_depth
 
 class QueueScheduler:
     """A waiting deque and a running list (oldest first), plus finish/abort/preempt, and
-    the no-op defaults of the Scheduler protocol's optional methods."""
+    no-op ``observe``, ``on_finished`` and ``stats`` (the Scheduler protocol requires them)."""
 
     def __init__(self, cache, max_num_seqs: int):
         self.cache = cache
