@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import structlog
 import torch
@@ -28,13 +27,16 @@ from tokenloom.core.interfaces import (
     CacheManager,
     Decoder,
     DecoderContext,
+    Executor,
     Quantizer,
     Scheduler,
 )
 from tokenloom.core.loader.resolve import resolve_model_path
+from tokenloom.core.models.config import ModelConfig
 from tokenloom.core.parallel import TensorParallel
 from tokenloom.core.plugins import PluginManager
 from tokenloom.core.runner import ModelRunner, load_checkpoint, pick_device, pick_dtype
+from tokenloom.core.tokenizer import Tokenizer
 
 log = structlog.get_logger("tokenloom.build")
 
@@ -48,15 +50,15 @@ def config_from_sources(pm: PluginManager, config_file=None, flags: dict | None 
 
 @dataclass(slots=True)
 class EngineParts:
-    tokenizer: Any
-    model_config: Any
+    tokenizer: Tokenizer
+    model_config: ModelConfig
     model_name: str
     max_model_len: int
     runner: ModelRunner  # rank 0's
-    cache: Any
-    scheduler: Any
-    decoder: Any
-    executor: Any  # UniprocExecutor or MultiprocExecutor (core/executor.py)
+    cache: CacheManager
+    scheduler: Scheduler
+    decoder: Decoder
+    executor: Executor  # UniprocExecutor or MultiprocExecutor (core/executor.py)
 
 
 @dataclass(slots=True)
@@ -65,8 +67,8 @@ class SecondModel:
     KV pool, sampler) and its own cache manager over that pool, prefix caching off."""
 
     runner: ModelRunner
-    cache: Any
-    tokenizer: Any
+    cache: CacheManager
+    tokenizer: Tokenizer
     name: str
 
 
@@ -104,8 +106,8 @@ def load_second_model(config: EngineConfig, pm: PluginManager, backend, device, 
 @dataclass(slots=True)
 class LoadedRunner:
     runner: ModelRunner
-    tokenizer: Any
-    model_config: Any  # the whole model's (the runner's cfg is this rank's share)
+    tokenizer: Tokenizer
+    model_config: ModelConfig  # the whole model's (the runner's cfg is this rank's share)
     name: str
     format: str
     quantization: str

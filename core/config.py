@@ -72,7 +72,7 @@ class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 @dataclass(slots=True)
 class StrategyConfig:
     name: str
-    options: Any = None  # the strategy's own msgspec Struct (or None if it has no options)
+    options: msgspec.Struct | None = None  # the strategy's own options struct (None: it takes none)
 
     def to_dict(self) -> dict[str, Any]:
         opts = msgspec.to_builtins(self.options) if self.options is not None else {}
@@ -135,7 +135,8 @@ def merge_layers(*layers: Mapping[str, Any]) -> dict[str, Any]:
                     prev = {}
                 out[key] = {**prev, **copy.deepcopy(value)}
             elif key == "frontends" and isinstance(value, Mapping):  # a frontend's table merges key by key
-                prev = out.get(key) if isinstance(out.get(key), Mapping) else {}
+                earlier = out.get(key)
+                prev = earlier if isinstance(earlier, Mapping) else {}
                 merged = dict(prev)
                 for name, sub in value.items():
                     if isinstance(sub, Mapping) and isinstance(prev.get(name), Mapping):
@@ -209,8 +210,8 @@ def _frontends(pm: PluginManager, table: Any) -> list[StrategyConfig]:
     return out
 
 
-def _convert_options(role: str, name: str, options_type: type | None, table: dict,
-                     label: str | None = None) -> Any:
+def _convert_options(role: str, name: str, options_type: type[msgspec.Struct] | None, table: dict,
+                     label: str | None = None) -> msgspec.Struct | None:
     """``role`` prefixes the keys in messages (``scheduler``, ``frontends.openai``)."""
     label = label or ROLE_LABELS[role]
     if options_type is None:

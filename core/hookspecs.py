@@ -15,15 +15,35 @@ registration order).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
 import pluggy
+
+if TYPE_CHECKING:  # annotations only: these modules import this one (through the plugin manager)
+    from tokenloom.core.config import EngineConfig
+    from tokenloom.core.engine import AsyncEngine
+    from tokenloom.core.metrics import StepStats
+    from tokenloom.core.outputs import Finished
 
 PROJECT = "tokenloom"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
+class Register(Protocol):
+    """The ``register`` callable every ``register_*`` hook receives."""
+
+    def __call__(self, name: str, factory: Callable[..., Any], *, options: type[msgspec.Struct] | None = None,
+                 requires: Mapping[str, Iterable[str]] | None = None,
+                 conflicts: Mapping[str, Iterable[str]] | None = None, description: str = "") -> None:
+        """``factory``'s arguments depend on the role (see each hook); Any: it returns the
+        role's object, checked against the role's Protocol at start-up."""
+
+
 @hookspec
-def register_schedulers(register):
+def register_schedulers(register: Register) -> None:
     """Register scheduler factories.
 
     Called once per plugin manager, at start-up, before any engine is built.
@@ -41,7 +61,7 @@ def register_schedulers(register):
 
 
 @hookspec
-def register_cache_managers(register):
+def register_cache_managers(register: Register) -> None:
     """Register KV-cache manager factories.
 
     Called once per plugin manager, at start-up.
@@ -53,7 +73,7 @@ def register_cache_managers(register):
 
 
 @hookspec
-def register_quantizers(register):
+def register_quantizers(register: Register) -> None:
     """Register weight quantizers.
 
     Called once per plugin manager, at start-up.
@@ -69,7 +89,7 @@ def register_quantizers(register):
 
 
 @hookspec
-def register_decoders(register):
+def register_decoders(register: Register) -> None:
     """Register decoder strategies (standard, speculative, ...).
 
     Called once per plugin manager, at start-up.
@@ -87,7 +107,7 @@ def register_decoders(register):
 
 
 @hookspec
-def register_backends(register):
+def register_backends(register: Register) -> None:
     """Register compute backends.
 
     Called once per plugin manager, at start-up.
@@ -99,7 +119,7 @@ def register_backends(register):
 
 
 @hookspec
-def register_model_formats(register):
+def register_model_formats(register: Register) -> None:
     """Register model checkpoint formats (GGUF, Hugging Face directories, ...).
 
     Called once per plugin manager, at start-up.
@@ -113,7 +133,7 @@ def register_model_formats(register):
 
 
 @hookspec
-def register_frontends(register):
+def register_frontends(register: Register) -> None:
     """Register frontends: the ways in to a served engine (WebSocket, OpenAI HTTP, ...).
 
     Called once per plugin manager, at start-up. ``tokenloom serve`` mounts every frontend
@@ -131,7 +151,7 @@ def register_frontends(register):
 
 
 @hookspec
-def engine_started(config, engine):
+def engine_started(config: EngineConfig, engine: AsyncEngine) -> None:
     """The engine has loaded its model and built its strategies.
 
     Called once per engine, on the event loop, before the first step.
@@ -143,7 +163,7 @@ def engine_started(config, engine):
 
 
 @hookspec
-def step_finished(stats):
+def step_finished(stats: StepStats) -> None:
     """One engine step has finished. Skipped entirely when no plugin implements it.
 
     Called once per step, on the event loop, after outputs were pushed to streams.
@@ -154,7 +174,7 @@ def step_finished(stats):
 
 
 @hookspec
-def request_finished(request_id, output):
+def request_finished(request_id: str, output: Finished) -> None:
     """A request has finished (stop, length, abort or error).
 
     Called exactly once per accepted request, on the event loop.

@@ -10,12 +10,20 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from tokenloom.core.outputs import Finished
 from tokenloom.core.sequence import Batch, Sequence
-from tokenloom.core.weights import LinearSlot, LinearWeight, WeightSpec
+from tokenloom.core.weights import CheckpointTensors, LinearSlot, LinearWeight, WeightSpec
 
-if TYPE_CHECKING:  # for annotations only: keeps the loaders out of every plugin's imports
+if TYPE_CHECKING:  # annotations only: most of these import this module (a cycle at run time)
     import torch
 
+    from tokenloom.core.attention import AttentionInputs
+    from tokenloom.core.build import SecondModel
+    from tokenloom.core.config import EngineConfig
+    from tokenloom.core.engine import AsyncEngine
     from tokenloom.core.loader import LoadedCheckpoint
+    from tokenloom.core.models.config import ModelConfig
+    from tokenloom.core.plugins import PluginManager
+    from tokenloom.core.runner import ForwardOutput, ModelRunner
+    from tokenloom.protocols.gateway import Gateway
 
 BLOCK_FREE, BLOCK_USED, BLOCK_CACHED = 0, 1, 2  # CacheManager.block_states() values
 
@@ -182,7 +190,7 @@ class Quantizer(Protocol):
     packs. Chosen by the checkpoint's metadata (GGUF tensor types, quantize_config.json,
     config.json's quantization_config) or by ``[quantizer]``."""
 
-    def weight_spec(self, slot: LinearSlot, tensors) -> WeightSpec:
+    def weight_spec(self, slot: LinearSlot, tensors: CheckpointTensors) -> WeightSpec:
         """Take the tensors of ``slot.parts`` from ``tensors`` (a CheckpointTensors: each
         part's ``.weight``, or ``.qweight``/``.qzeros``/``.scales``/``.g_idx`` for GPTQ)
         and return the fused weight [sum of the parts' out features, in features]. A
@@ -210,19 +218,19 @@ class Executor(Protocol):
 
     name: str
     world_size: int
-    driver: Any  # rank 0's ModelRunner (its sampler and model: under tensor parallelism, one share)
+    driver: ModelRunner  # rank 0's (its sampler and model: under tensor parallelism, one share)
     failed: str | None  # why the ranks cannot go on (a rank died or hung); None while healthy
 
-    def forward(self, batch: Batch, *, return_hidden: bool = False) -> Any:
+    def forward(self, batch: Batch, *, return_hidden: bool = False) -> ForwardOutput:
         """The runner's ForwardOutput for ``batch``, every rank having run it."""
 
     def move_kv_slots(self, src: list[int], dst: list[int]) -> None: ...
 
     def allocate_kv_cache(self, num_blocks: int, kv_cache_dtype: str = "auto") -> None: ...
 
-    def prefill_logits(self, token_ids: list[int], block_table: list[int]) -> Any: ...
+    def prefill_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor | None: ...
 
-    def prefill_hidden(self, token_ids: list[int], block_table: list[int]) -> Any: ...
+    def prefill_hidden(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor: ...
 
     def close(self) -> None:
         """Stop every other rank; idempotent."""
@@ -233,15 +241,15 @@ class DecoderContext:
     """What a decoder factory gets besides its options: one frozen struct, so that a new need
     (a second model for drafting, a rank) becomes a field and old decoders keep working."""
 
-    config: Any  # the EngineConfig
-    plugin_manager: Any
-    model_config: Any
+    config: EngineConfig
+    plugin_manager: PluginManager
+    model_config: ModelConfig  # the whole model's
     cache: CacheManager
-    runner: Any  # rank 0's ModelRunner: sampler, model (steps go through ``executor``)
+    runner: ModelRunner  # rank 0's: sampler, model (steps go through ``executor``)
     # load_model(model=None, quantizer=None, dtype="auto", num_kv_blocks=512, num_layers=None)
     # -> core.build.SecondModel: a second checkpoint (a draft) with its own KV pool and cache
     # manager, on the engine's device and backend. Call it on the step thread.
-    load_model: Any = None
+    load_model: Callable[..., SecondModel] | None = None
     model_name: str = ""  # the checkpoint's name (Medusa finds its heads by it)
     # how steps reach the runner(s): world_size > 1 under tensor parallelism, where
     # ``runner`` holds rank 0's share only. None: the runner alone (a UniprocExecutor over it)
@@ -304,7 +312,7 @@ class Backend(Protocol):
         "auto" stores ``dtype``; "fp8" / "int8" store 8 bits with scales, and ``write_kv`` /
         ``attention`` quantise and dequantise (the model always hands them ``dtype``)."""
 
-    def prepare(self, meta: Any) -> Any:
+    def prepare(self, meta: AttentionInputs) -> Any:  # Any: the metadata is the backend's own
         """Build per-step attention metadata once, before the layers run, from an
         ``AttentionInputs`` (core/attention.py): ``meta.tensors(device)`` gives the step's
         block tables, context lengths and query starts as tensors (the runner writes them into
@@ -325,8 +333,8 @@ class Backend(Protocol):
         """Attention of this step's queries over the cache; ``k``/``v`` are this step's own
         keys and values (already written by ``write_kv``), for backends that use them directly."""
 
-    def decode_attention_block(self, qkv, cos, sin, k_cache, v_cache, meta: Any, num_heads: int,
-                               scale: float) -> Any:
+    def decode_attention_block(self, qkv, cos, sin, k_cache, v_cache, meta: Any, num_heads: int,  # meta: prepare's
+                               scale: float) -> torch.Tensor | None:
         """A fast path of a decode step's attention, from a layer's fused qkv output
         ``[T, (H + 2 KVH) * D]`` and float32 ``cos``/``sin`` of the positions: RoPE on q and
         k, the KV write and attention in one call; returns ``[T, H * D]`` in qkv's dtype, or
@@ -341,7 +349,7 @@ class Backend(Protocol):
 
     def rms_norm(self, x, weight, eps: float): ...
 
-    def add_rms_norm(self, h, delta, weight, eps: float, dtype) -> tuple[Any, Any]:
+    def add_rms_norm(self, h, delta, weight, eps: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual add and the next RMSNorm together: ``(rms_norm(h + delta) in dtype,
         h + delta)``; ``delta`` None adds nothing. ``h`` is the float32 residual stream, which
         the model owns: a backend may update it in place."""
@@ -365,10 +373,10 @@ class DecodeLayer:
     """One LLaMA layer's weights as the backend packed them (``LinearWeight``s) and its two
     float32 RMSNorm weights."""
 
-    input_norm: Any
+    input_norm: torch.Tensor
     qkv: LinearWeight
     o: LinearWeight
-    post_norm: Any
+    post_norm: torch.Tensor
     gate_up: LinearWeight
     down: LinearWeight
 
@@ -380,19 +388,19 @@ class DecodeModel:
     step adds the residual stream in float32 and returns it before the final norm, as
     ``LlamaModel.forward`` does."""
 
-    embed: Any
-    cos: Any
-    sin: Any
+    embed: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
     layers: tuple[DecodeLayer, ...]
     num_heads: int
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    dtype: Any
+    dtype: torch.dtype
 
 
 class CapturedStep(Protocol):
-    def __call__(self, input_ids, positions, kv_caches, meta) -> Any:
+    def __call__(self, input_ids, positions, kv_caches, meta) -> torch.Tensor | None:
         """The final hidden states ``[T, hidden]`` float32 of a step, or None when this step
         is not one it covers (a prefill in it, an 8-bit KV pool): the model then runs op by op."""
 
@@ -410,9 +418,9 @@ class FrontendContext:
     charge the token rate, submit; the slot is given back whatever happens); ``metrics`` is
     the one Prometheus registry (``observe_finished`` each request's end)."""
 
-    engine: Any  # the AsyncEngine every frontend serves
+    engine: AsyncEngine  # the engine every frontend serves
     host: str  # the address every frontend binds
-    gateway: Any
+    gateway: Gateway
 
 
 @runtime_checkable

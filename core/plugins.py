@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import pluggy
 import structlog
 
@@ -58,7 +59,7 @@ class PluginEntry:
     role: str
     name: str
     factory: Callable[..., Any]
-    options: type | None
+    options: type[msgspec.Struct] | None  # its options struct: a config table is converted to it
     source: str  # the plugin (module or entry point) that registered it
     package: str  # the distribution it came from
     requires: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
