@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
 from dataclasses import dataclass
 
 import structlog
@@ -20,6 +21,7 @@ from tokenloom.core.executor import (
     report_load,
     serve_rank,
     start_workers,
+    stop_group,
     torchrun_env,
 )
 from tokenloom.core.interfaces import (
@@ -134,10 +136,13 @@ def build_runner(config: EngineConfig, pm: PluginManager, tp: TensorParallel, de
     return LoadedRunner(runner, tokenizer, mcfg, name, fmt, method, max_model_len)
 
 
-def _start_executor(config: EngineConfig, pm: PluginManager, device, threads: int | None, progress):
+def _start_executor(config: EngineConfig, pm: PluginManager, device, threads: int | None,
+                    progress) -> tuple[LoadedRunner, Executor, TensorParallel]:
     """One rank (uniproc), ranks started here (multiproc), or this process as rank 0 of a
     group torchrun started. Under torchrun every other rank serves rank 0 from here and
     exits when rank 0 stops: it never becomes an engine."""
+    loaded: LoadedRunner | None  # rank 0's runner: None while a group's ranks load
+    workers: list[subprocess.Popen]  # the ranks this process started (none under torchrun)
     e = config.engine
     launched = torchrun_env()
     if launched is not None and launched[1] == 1:
@@ -184,9 +189,8 @@ def _start_executor(config: EngineConfig, pm: PluginManager, device, threads: in
         failed = [s for s in report_load(status, groups.startup) if s != "ok"]
     except Exception as exc:  # a rank died while loading: its socket closed
         failed = [f"a rank exited while loading ({type(exc).__name__})"]
-    if failed:  # every rank heard it and leaves; so does this one
-        MultiprocExecutor(None, tp, groups.commands, workers, e.distributed_timeout_s, failed=failed[0],
-                          threads_before=before).close()
+    if failed or loaded is None:  # every rank heard it and leaves; so does this one (no runner: rank 0 failed)
+        stop_group(groups.commands, workers, healthy=False, threads_before=before)
         if loaded is None:
             raise error
         raise ConfigError(f"tensor parallelism: a rank could not load the model: {failed[0]}")

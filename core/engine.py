@@ -58,7 +58,8 @@ class AsyncEngine:
         # Long prompts are tokenised here, off the event loop and beside the step thread.
         self._tokenize_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenloom-tokenize")
         self._loop_task: asyncio.Task | None = None
-        self._wakeup: asyncio.Event | None = None
+        # replaced by each new step-loop task (an Event binds to the event loop that first waits on it)
+        self._wakeup = asyncio.Event()
         self._deadlines: list[tuple[float, int, str]] = []  # heap of (deadline, seq_id, request_id)
         self.health = EngineHealth(config.engine.max_restarts, config.engine.restart_backoff_s)
         self.dead_event = asyncio.Event()  # set once the engine gives up (see core/health.py)
@@ -167,8 +168,7 @@ class AsyncEngine:
         if req is None or req.done or req.ending is not None:  # over, or its end already committed
             return False
         self._pending_aborts.append(request_id)
-        if self._wakeup is not None:
-            self._wakeup.set()
+        self._wakeup.set()
         return True
 
     # ---- the step loop ------------------------------------------------------------
@@ -215,7 +215,7 @@ class AsyncEngine:
                       consecutive=self.health.consecutive, dead=self.health.dead)
         self._pending_aborts.clear()
         self._publish()  # what earlier steps committed reaches its streams first
-        error = f"internal error: {exc.public}" if fatal else f"internal error: {type(exc).__name__}"
+        error = f"internal error: {exc.public if isinstance(exc, ExecutorFailed) else type(exc).__name__}"
         for req in list(self._requests.values()):
             self._end_early(req, SequenceStatus.FINISHED_ERROR, error=error)
         if self.health.dead:

@@ -37,7 +37,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -45,6 +45,9 @@ import torch
 from tokenloom.core.parallel import TensorParallel
 from tokenloom.core.runner import ForwardOutput, ModelRunner
 from tokenloom.core.sequence import Batch
+
+if TYPE_CHECKING:  # torch.distributed is imported where it is used
+    from torch.distributed import ProcessGroup
 
 log = structlog.get_logger("tokenloom.executor")
 
@@ -84,7 +87,7 @@ class UniprocExecutor:
     def allocate_kv_cache(self, num_blocks: int, kv_cache_dtype: str = "auto") -> None:
         self.driver.allocate_kv_cache(num_blocks, kv_cache_dtype)
 
-    def prefill_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
+    def prefill_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor | None:
         return self.driver.prefill_logits(token_ids, block_table)
 
     def prefill_hidden(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
@@ -100,8 +103,9 @@ class MultiprocExecutor(UniprocExecutor):
 
     name = "multiproc"
 
-    def __init__(self, runner: ModelRunner | None, tp: TensorParallel, command_group, workers: list, timeout_s: float,
-                 failed: str | None = None, threads_before: int | None = None):
+    def __init__(self, runner: ModelRunner, tp: TensorParallel, command_group: ProcessGroup,
+                 workers: list[subprocess.Popen], timeout_s: float, failed: str | None = None,
+                 threads_before: int | None = None):
         super().__init__(runner)
         self.tp, self.command_group, self.workers, self.timeout_s = tp, command_group, workers, timeout_s
         self.world_size = tp.world_size
@@ -165,7 +169,7 @@ class MultiprocExecutor(UniprocExecutor):
     def allocate_kv_cache(self, num_blocks: int, kv_cache_dtype: str = "auto") -> None:
         self._run("allocate_kv_cache", num_blocks, kv_cache_dtype)
 
-    def prefill_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
+    def prefill_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor | None:
         return self._run("prefill_logits", token_ids, block_table)
 
     def prefill_hidden(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
@@ -173,28 +177,37 @@ class MultiprocExecutor(UniprocExecutor):
 
     def close(self) -> None:
         """Stop every rank (they leave their loop), then reap what this engine started."""
-        import torch.distributed as dist
-
         if self._closing:
             return
         self._closing = True
-        if self.failed is None:
-            try:
-                dist.broadcast_object_list([("stop", ())], src=0, group=self.command_group)
-            except Exception as exc:  # noqa: BLE001 - closing anyway
-                log.warning("rank_stop_failed", error=str(exc))
-        for proc in self.workers:
-            try:
-                proc.wait(timeout=10 if self.failed is None else 0.5)  # a failed group's ranks may hang
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
-        if self._threads_before:
-            torch.set_num_threads(self._threads_before)
+        stop_group(self.command_group, self.workers, healthy=self.failed is None, threads_before=self._threads_before)
+
+
+def stop_group(command_group: ProcessGroup, workers: list[subprocess.Popen], *, healthy: bool,
+               threads_before: int | None) -> None:
+    """Rank 0 ends a group: a healthy group's ranks hear "stop" and leave their loop; the
+    processes this engine started are reaped (a failed group's may hang: killed sooner);
+    this process gets its thread count back. Also for a group that failed before it had an
+    executor (a rank could not load the model)."""
+    import torch.distributed as dist
+
+    if healthy:
         try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - already torn down
-            pass
+            dist.broadcast_object_list([("stop", ())], src=0, group=command_group)
+        except Exception as exc:  # noqa: BLE001 - closing anyway
+            log.warning("rank_stop_failed", error=str(exc))
+    for proc in workers:
+        try:
+            proc.wait(timeout=10 if healthy else 0.5)  # a failed group's ranks may hang
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+    if threads_before:
+        torch.set_num_threads(threads_before)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - already torn down
+        pass
 
 
 # ---- starting a group ------------------------------------------------------------------
@@ -217,9 +230,9 @@ class Groups:
     A group's timeout is each process's own: rank 0 waits at most ``timeout_s`` to hand out
     a command, while the other ranks wait for the next one as long as the engine idles."""
 
-    startup: Any  # loading reports: a large model may load for longer than a step's timeout
-    commands: Any  # rank 0 -> the others: what to run next (gloo)
-    model: Any  # the model's collectives (gloo on CPUs, NCCL on GPUs), bounded by timeout_s
+    startup: ProcessGroup  # loading reports: a large model may load for longer than a step's timeout
+    commands: ProcessGroup  # rank 0 -> the others: what to run next (gloo)
+    model: ProcessGroup  # the model's collectives (gloo on CPUs, NCCL on GPUs), bounded by timeout_s
 
 
 def init_group(rank: int, world: int, init_method: str, timeout_s: float, device: torch.device) -> Groups:
@@ -326,6 +339,7 @@ def start_workers(world: int, config, timeout_s: float, threads: int) -> tuple[s
     for rank in range(1, world):
         p = subprocess.Popen([sys.executable, "-m", "tokenloom.core.executor", str(rank)], stdin=subprocess.PIPE,
                              env=env)
+        assert p.stdin is not None  # stdin=PIPE
         p.stdin.write(payload)
         p.stdin.close()
         procs.append(p)

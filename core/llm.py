@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence as Seq
+from typing import Any
 
 from tokenloom.core.engine import AsyncEngine
 from tokenloom.core.outputs import Finished
@@ -33,6 +34,7 @@ class LLM:
                  params: SamplingParams | Seq[SamplingParams] | None = None, *,
                  messages: Seq[list[dict]] | None = None, cache_salt: str | None = None) -> list[Finished]:
         """Run all prompts together (continuous batching does the rest); results in order."""
+        inputs: list[dict[str, Any]]
         if messages is not None:
             inputs = [{"messages": m} for m in messages]
         else:

@@ -27,12 +27,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenloom.core.errors import ConfigError
 from tokenloom.core.models.config import ModelConfig
 from tokenloom.core.weights import Fp8Weight, QuantizedWeight, WeightSpec
+
+if TYPE_CHECKING:  # torch.distributed is imported where it is used
+    from torch.distributed import ProcessGroup
 
 
 def split_evenly(n: int, world: int, rank: int) -> range:
@@ -50,7 +54,7 @@ class TensorParallel:
 
     rank: int = 0
     world_size: int = 1
-    group: object | None = None  # the torch.distributed process group (None: the default one)
+    group: ProcessGroup | None = None  # the model's process group (None: the default one)
 
     @property
     def enabled(self) -> bool:

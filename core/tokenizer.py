@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
+from jinja2 import Template
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
@@ -47,7 +48,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.add_bos = add_bos
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
-        self._template = None
+        self._template: Template | None = None  # the chat template, compiled on first use
         #: ids of the special added tokens: the ones ``parse_special_tokens=False`` spells out as text
         self.special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
         self._literal_tok: HFTokenizer | None = None
@@ -171,9 +172,8 @@ class Tokenizer:
         special = [AddedToken(t, special=True, normalized=False)
                    for t, ty in zip(tokens, types, strict=True) if ty in (CONTROL_TOKEN_TYPE, USER_DEFINED_TOKEN_TYPE)]
         tok.add_special_tokens(special)
-        eos = {meta.get("tokenizer.ggml.eos_token_id")}
-        eos.add(meta.get("tokenizer.ggml.eot_token_id"))
-        eos.discard(None)
+        eos: set[int] = {i for i in (meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id"))
+                         if i is not None}
         return cls(tok, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=sorted(eos),
                    chat_template=meta.get("tokenizer.chat_template"),
                    add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)))

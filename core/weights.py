@@ -141,7 +141,7 @@ class QuantizedWeight:
             if (p.bits, p.group_size, p.codes.shape[1]) != (first.bits, first.group_size, first.codes.shape[1]):
                 raise ValueError("fused parts must share bits, group size and input features")
             if (p.g_idx is None) != (first.g_idx is None) or (
-                    p.g_idx is not None and not torch.equal(p.g_idx, first.g_idx)):
+                    p.g_idx is not None and first.g_idx is not None and not torch.equal(p.g_idx, first.g_idx)):
                 raise ValueError("fused parts must share g_idx")
         return replace(first, codes=torch.cat([p.codes for p in parts]), scales=torch.cat([p.scales for p in parts]),
                        zeros=torch.cat([p.zeros for p in parts]))

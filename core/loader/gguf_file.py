@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,6 +44,7 @@ class GGUFTensor:
         rows, cols = self.shape
         b = self.blocks.reshape(rows, cols // _BLOCK, -1)
         d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        zeros: np.ndarray  # float32 (numpy's stubs type Q4_1's division as float64)
         if self.qtype == "Q8_0":
             codes = b[..., 2:].copy().view(np.int8).astype(np.int16) + 128
             zeros, bits = np.full_like(d, 128.0), 8
@@ -113,7 +115,9 @@ def model_config(meta: dict) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise ValueError(f"unsupported GGUF architecture {arch!r} (llama only)")
-    g = lambda k, default=None: meta.get(f"llama.{k}", default)  # noqa: E731
+    def g(key: str, default: Any = None) -> Any:  # Any: GGUF metadata values are whatever the file holds
+        return meta.get(f"llama.{key}", default)
+
     heads = g("attention.head_count")
     hidden = g("embedding_length")
     vocab = g("vocab_size") or len(meta["tokenizer.ggml.tokens"])
@@ -141,7 +145,7 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: Callable[[int, int], Non
     cfg = model_config(meta)
     names = {t.name for t in reader.tensors}
     cfg = dataclasses.replace(cfg, tie_word_embeddings="output.weight" not in names)
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | GGUFTensor] = {}
     total = len(reader.tensors)
     for i, t in enumerate(reader.tensors):
         qtype = t.tensor_type.name

@@ -9,7 +9,8 @@ through ``self.backend`` or a LinearWeight the backend packed.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -44,6 +45,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaLayer(nn.Module):
+    # The matmuls: LinearWeight objects the backend packs at load time (see load_weights).
+    qkv: LinearWeight
+    o: LinearWeight
+    gate_up: LinearWeight
+    down: LinearWeight
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel):
         """``cfg``: this rank's share of the heads and the FFN (the whole model on one rank)."""
         super().__init__()
@@ -51,8 +58,6 @@ class LlamaLayer(nn.Module):
         d = cfg.hidden_size
         self.input_norm = nn.Parameter(torch.ones(d), requires_grad=False)
         self.post_norm = nn.Parameter(torch.ones(d), requires_grad=False)
-        # The matmuls are LinearWeight objects the backend packs at load time (see load_weights).
-        self.qkv = self.o = self.gate_up = self.down = None
 
     def forward(self, h, delta, cos, sin, k_cache, v_cache, meta, backend):
         """``h + delta`` is the residual stream coming in (``delta``: the previous layer's MLP
@@ -83,6 +88,10 @@ class LlamaLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    lm_head: LinearWeight  # packed at load time (tied to the embedding or not)
+    cos: torch.Tensor  # float32 RoPE tables [max_len, head_dim], registered buffers
+    sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, backend, max_len: int, tp: TensorParallel | None = None):
         """``cfg``: the whole model's; with ``tp`` this rank holds its share (core/parallel.py):
         ``embed`` and ``lm_head`` a slice of the vocabulary, each layer its heads and FFN slice."""
@@ -94,20 +103,24 @@ class LlamaModel(nn.Module):
         local = tp.local_config(cfg)
         self.layers = nn.ModuleList(LlamaLayer(local, dtype, tp) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size), requires_grad=False)
-        self.lm_head = None  # a LinearWeight, packed at load time (tied or not)
         cos, sin = rope_cache(cfg, max_len, "cpu")
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.captured: CapturedStep | None = None  # the backend's whole decode step (capture())
+
+    @property
+    def decoder_layers(self) -> Sequence[LlamaLayer]:
+        """``layers`` as what they are (an ``nn.ModuleList`` is typed as holding any Module)."""
+        return cast(Sequence[LlamaLayer], self.layers)
 
     def capture(self) -> bool:
         """Ask the backend for a captured decode step over the loaded weights (one rank only:
         the captured step has no all-reduce). True when it gave one."""
         if self.tp.enabled:
             return False
-        cfg = self.layers[0].cfg
+        cfg = self.decoder_layers[0].cfg
         layers = tuple(DecodeLayer(lyr.input_norm, lyr.qkv, lyr.o, lyr.post_norm, lyr.gate_up, lyr.down)
-                       for lyr in self.layers)
+                       for lyr in self.decoder_layers)
         self.captured = self.backend.capture_decode(DecodeModel(
             self.embed, self.cos, self.sin, layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.rms_norm_eps, self.dtype))
@@ -125,6 +138,7 @@ class LlamaModel(nn.Module):
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             h, delta = layer(h, delta, cos, sin, k_cache, v_cache, meta, self.backend)
+        assert delta is not None  # a model has at least one layer
         return h + delta
 
     @torch.inference_mode()
@@ -159,7 +173,7 @@ class LlamaModel(nn.Module):
                  ("o", ("self_attn.o_proj",), (d,), q),
                  ("gate_up", ("mlp.gate_proj", "mlp.up_proj"), (ffn, ffn), d),
                  ("down", ("mlp.down_proj",), (d,), ffn))
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers):
             p = f"model.layers.{i}."
             for norm, name in ((layer.input_norm, "input_layernorm"), (layer.post_norm, "post_attention_layernorm")):
                 norm.copy_(_checked(dense_tensor(tensors.take(p + name + ".weight")), norm.shape, p + name + ".weight"))
@@ -183,8 +197,8 @@ class LlamaModel(nn.Module):
         """Bytes a batch-1 decode step must read: each matmul weight and norm once (one
         layout), plus the output head; the embedding lookup reads a single row."""
         total = self.lm_head.nbytes() + self.norm.numel() * 4
-        for layer in self.layers:
-            total += sum(getattr(layer, n).nbytes() for n in ("qkv", "o", "gate_up", "down"))
+        for layer in self.decoder_layers:
+            total += sum(w.nbytes() for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
             total += (layer.input_norm.numel() + layer.post_norm.numel()) * 4
         return total
 
