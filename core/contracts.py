@@ -22,6 +22,15 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenloom.core.errors import ConfigError
+from tokenloom.core.interfaces import (
+    Backend,
+    CacheManager,
+    Decoder,
+    Frontend,
+    ModelFormat,
+    Quantizer,
+    Scheduler,
+)
 from tokenloom.core.plugins import ROLE_LABELS, PluginEntry, PluginManager
 
 # Names every class has, or that typing.Protocol / Generic / dataclass machinery adds: not members.
@@ -34,21 +43,11 @@ _NOT_MEMBERS = frozenset({
 })
 
 
-def role_contracts() -> dict[str, type]:
-    """The Protocol each role's objects must satisfy (imported here, not at module import,
-    so that the plugin registry does not pull in the contracts' own imports)."""
-    from tokenloom.core.interfaces import (
-        Backend,
-        CacheManager,
-        Decoder,
-        Frontend,
-        ModelFormat,
-        Quantizer,
-        Scheduler,
-    )
-
-    return {"scheduler": Scheduler, "cache_manager": CacheManager, "quantizer": Quantizer, "decoder": Decoder,
-            "backend": Backend, "model_format": ModelFormat, "frontend": Frontend}
+#: the Protocol each role's objects must satisfy
+ROLE_CONTRACTS: dict[str, type] = {
+    "scheduler": Scheduler, "cache_manager": CacheManager, "quantizer": Quantizer, "decoder": Decoder,
+    "backend": Backend, "model_format": ModelFormat, "frontend": Frontend,
+}
 
 
 def protocol_members(protocol: type) -> dict[str, bool]:
@@ -91,7 +90,7 @@ def origin(entry: PluginEntry) -> str:
 def check(obj: object, entry: PluginEntry) -> None:
     """Raise :class:`ConfigError` unless ``obj`` (what ``entry.factory`` built) satisfies its
     role's Protocol, naming the role, the strategy, its plugin and what is missing."""
-    protocol = role_contracts()[entry.role]
+    protocol = ROLE_CONTRACTS[entry.role]
     what = f"{ROLE_LABELS[entry.role]} {entry.name!r} ({origin(entry)}) does not implement {protocol.__name__}"
     if obj is None:
         raise ConfigError(f"{what}: its factory returned None")
@@ -111,14 +110,14 @@ def build(entry: PluginEntry, *args: Any, **kwargs: Any) -> Any:
     return obj
 
 
-def model_formats(pm: PluginManager) -> dict[str, Callable[[], Any]]:
+def model_formats(pm: PluginManager) -> dict[str, Callable[[], ModelFormat]]:
     """Every registered model format, built and checked now (``load_checkpoint`` builds
     them in turn only until one claims the checkpoint: a broken format registered after
     the one that claims would otherwise never be noticed), as the factories
     ``runner.load_checkpoint`` takes."""
-    built = {name: build(entry) for name, entry in pm.entries("model_format").items()}
+    built: dict[str, ModelFormat] = {name: build(entry) for name, entry in pm.entries("model_format").items()}
     return {name: functools.partial(_same, fmt) for name, fmt in built.items()}
 
 
-def _same(obj: Any) -> Any:
-    return obj
+def _same(fmt: ModelFormat) -> ModelFormat:
+    return fmt

@@ -58,7 +58,7 @@ class PluginEntry:
 
     role: str
     name: str
-    factory: Callable[..., Any]
+    factory: Callable[..., Any]  # arguments and result depend on the role (core/hookspecs.py)
     options: type[msgspec.Struct] | None  # its options struct: a config table is converted to it
     source: str  # the plugin (module or entry point) that registered it
     package: str  # the distribution it came from

@@ -17,7 +17,7 @@ from tokenloom.core.engine import AsyncEngine
 from tokenloom.core.errors import ConfigError
 from tokenloom.core.hookspecs import hookimpl
 from tokenloom.core.interfaces import CacheManager, Decoder, Scheduler
-from tokenloom.core.plugins import PluginEntry, PluginManager
+from tokenloom.core.plugins import ROLES, PluginEntry, PluginManager
 from tokenloom.protocols.gateway import FrontendHost, ServerOptions
 
 from conftest import tiny_engine_kwargs
@@ -156,6 +156,10 @@ def test_the_message_names_a_third_party_package():
         contracts.check(object(), entry)
     assert str(info.value).startswith("cache manager 'foo' (from plugin tokenloom_foo, package tokenloom-foo) "
                                       "does not implement CacheManager: missing block_size, num_blocks, ")
+
+
+def test_every_role_has_a_contract():
+    assert set(contracts.ROLE_CONTRACTS) == set(ROLES)
 
 
 def test_members_are_the_protocols_methods_and_attributes():
