@@ -20,7 +20,21 @@ def add_serve_parsers(sub) -> None:
                    help="comma-separated frontends to mount (default websocket,openai)")
     s.add_argument("--api-key-file", help="file holding the API key (else $TOKENLOOM_API_KEY)")
     s.add_argument("--allow-origin", action="append", default=None, help="browser Origin to accept (repeatable)")
-    s.add_argument("--max-connections", type=int, default=64)
+    s.add_argument("--max-connections", type=_positive(int), default=1024, metavar="N",
+                   help="open TCP connections, every frontend's port counted together (WebSocket connections, "
+                        "HTTP connections); one more is answered 503 and closed (default 1024; lowered, with "
+                        "a warning, to what the open-file limit allows)")
+    s.add_argument("--max-connections-per-client", type=_positive(int, zero=True), default=256, metavar="N",
+                   help="of those, per client address (default 256: one HTTP client can still fill the default "
+                        "--max-queue, each HTTP request holding a connection; behind a proxy every client is "
+                        "the proxy's address: raise it or 0 = no per-address cap)")
+    s.add_argument("--http-header-timeout", type=_positive(float), default=10.0, metavar="S",
+                   help="a new connection's request head (a WebSocket handshake too) must arrive within S "
+                        "seconds, a later request's within S of its first byte; else 408 and close (default 10)")
+    s.add_argument("--http-body-timeout", type=_positive(float), default=30.0, metavar="S",
+                   help="a request body must arrive within S seconds of its head; else 408 and close (default 30)")
+    s.add_argument("--http-keepalive-timeout", type=_positive(float), default=5.0, metavar="S",
+                   help="close an HTTP connection idle S seconds between requests (default 5)")
     s.add_argument("--max-queue", type=int, default=256, help="unfinished requests before `overloaded`")
     s.add_argument("--send-timeout", type=float, default=10.0, help="seconds a blocked send may take")
     s.add_argument("--shutdown-deadline", type=float, default=30.0)
@@ -43,6 +57,18 @@ def add_serve_parsers(sub) -> None:
     c.add_argument("--temperature", type=float, default=0.7)
     c.add_argument("--max-tokens", type=int, default=512)
     c.set_defaults(func=cmd_chat)
+
+
+def _positive(kind, *, zero: bool = False):
+    """An argparse type: a number > 0 (or >= 0 with ``zero``)."""
+    def parse(text: str):
+        value = kind(text)
+        if not (value >= 0 if zero else value > 0) or value != value:
+            raise argparse.ArgumentTypeError(f"must be {'>= 0' if zero else '> 0'}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error
+    return parse
 
 
 async def serve_until_stopped(server, stop: asyncio.Event) -> int:
@@ -89,6 +115,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokenloom.core.config import merge_layers
     from tokenloom.core.engine import AsyncEngine
     from tokenloom.core.logging import configure_logging
+    from tokenloom.protocols.connections import fit_fd_limit
     from tokenloom.protocols.gateway import FrontendHost, ServerOptions
     from tokenloom.protocols.ratelimit import RateLimits
 
@@ -96,7 +123,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     flags = merge_layers(flags_layer(args), serve_layer(args))
     engine = AsyncEngine.from_options(args.config, flags, progress=progress_bar("loading model"))
     options = ServerOptions(host=args.host, api_key=api_key_from(args.api_key_file),
-                            allowed_origins=args.allow_origin, max_connections=args.max_connections,
+                            allowed_origins=args.allow_origin, max_connections=fit_fd_limit(args.max_connections),
+                            max_connections_per_client=args.max_connections_per_client,
+                            http_header_timeout_s=args.http_header_timeout, http_body_timeout_s=args.http_body_timeout,
+                            http_keepalive_timeout_s=args.http_keepalive_timeout,
                             max_queue=args.max_queue, send_timeout_s=args.send_timeout,
                             shutdown_deadline_s=args.shutdown_deadline, default_timeout_s=args.request_timeout,
                             rate_limits=RateLimits(args.rate_limit_rpm, args.rate_limit_tpm),

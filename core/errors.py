@@ -21,7 +21,17 @@ class ClientError(TokenloomError, ValueError):
 
     @classmethod
     def bad_value(cls, param: str, value: object, expected: str) -> ClientError:
-        return cls(f"{param} must be {expected}, got {value!r}", param=param, value=value)
+        return cls(f"{param} must be {expected}, got {quoted(value)}", param=param, value=value)
+
+
+def quoted(value: object, limit: int = 100) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters plus its full
+    length: a client's 1 MB value is not echoed back in full."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f"{len(value)} characters" if isinstance(value, str) else f"{len(text)} characters as text"
+    return f"{text[:limit]}… ({size})"
 
 
 class RequestTooLong(ClientError):

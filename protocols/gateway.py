@@ -19,6 +19,7 @@ from tokenloom.core import contracts
 from tokenloom.core.errors import EngineUnavailable
 from tokenloom.core.interfaces import Frontend, FrontendContext
 from tokenloom.core.sampling_params import SamplingParams
+from tokenloom.protocols.connections import ConnectionLimits
 from tokenloom.protocols.http import AccessRules
 from tokenloom.protocols.metrics import ServerMetrics
 from tokenloom.protocols.ratelimit import RateLimiter, RateLimits
@@ -29,14 +30,20 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 @dataclass(slots=True)
 class ServerOptions:
-    """Settings of `tokenloom serve`. ``port`` and the frame/send/connection limits are the
-    WebSocket frontend's; the rest hold for every frontend."""
+    """Settings of `tokenloom serve`. ``port`` and the frame/send limits are the WebSocket
+    frontend's, the ``http_*`` timeouts the OpenAI frontend's (the header timeout bounds
+    the WebSocket handshake too); the rest hold for every frontend. ``max_connections``
+    counts TCP connections on every frontend's port together (protocols/connections.py)."""
 
     host: str = "127.0.0.1"
     port: int = 8765
     api_key: str | None = None
     allowed_origins: list[str] | None = None  # browser Origins; clients without one pass
-    max_connections: int = 64
+    max_connections: int = 1024  # open connections, all frontends together
+    max_connections_per_client: int = 256  # of those, per client address (0: no per-address cap)
+    http_header_timeout_s: float = 10.0  # a connection's request head must arrive within this
+    http_body_timeout_s: float = 30.0  # and its body within this of the head
+    http_keepalive_timeout_s: float = 5.0  # an idle connection between requests is closed after this
     max_queue: int = 256  # unfinished requests in the engine before `overloaded`
     max_requests_per_connection: int = 256
     max_frame_bytes: int = 1 << 20
@@ -82,6 +89,8 @@ class Gateway:
         self.engine = engine
         self.options = options or ServerOptions()
         self.metrics = ServerMetrics(engine)
+        self.connections = ConnectionLimits(self.options.max_connections, self.options.max_connections_per_client,
+                                            self.metrics)
         self.rules = AccessRules(self.options.api_key, tuple(self.options.allowed_origins or ()))
         self.num_admitting = 0  # requests holding a slot but not yet submitted (they count towards max_queue)
         self.draining = False

@@ -1,6 +1,9 @@
-"""Prometheus metrics for `/metrics` (prometheus-client, one registry per server)."""
+"""Prometheus metrics for `/metrics` (prometheus-client, one registry per server), and the
+`/health` body every frontend answers."""
 
 from __future__ import annotations
+
+import resource
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -28,6 +31,21 @@ class ServerMetrics:
         self.engine_unavailable = Counter("tokenloom_engine_unavailable",
                                           "generate refused with `engine_unavailable`", registry=r)
         self.engine_failures = Counter("tokenloom_engine_failures", "Engine steps that raised", registry=r)
+        # connections, every frontend (protocols/connections.py)
+        self.connections_open = Gauge("tokenloom_connections_open", "Open TCP connections", ["frontend"],
+                                      registry=r)
+        self.connections_refused = Counter("tokenloom_connections_refused",
+                                           "Connections refused over --max-connections (reason total) or "
+                                           "--max-connections-per-client (reason per_client)",
+                                           ["frontend", "reason"], registry=r)
+        self.connection_timeouts = Counter("tokenloom_connection_timeouts",
+                                           "Connections closed for a read timeout: idle (nothing sent), header, "
+                                           "body, keepalive", ["frontend", "phase"], registry=r)
+        self.http_protocol_errors = Counter("tokenloom_http_protocol_errors",
+                                            "Requests that were not HTTP or asked for an upgrade the port does "
+                                            "not offer (answered 400 / ignored, not logged)", ["kind"], registry=r)
+        self.accept_errors = Counter("tokenloom_accept_errors", "accept() failures for want of file descriptors "
+                                     "or memory (asyncio retries after a second)", ["errno"], registry=r)
         self._failures_seen = 0
         self.prompt_tokens = Counter("tokenloom_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.cached_tokens = Counter("tokenloom_cached_prompt_tokens", "Prompt tokens served from cache", registry=r)
@@ -86,3 +104,30 @@ class ServerMetrics:
                 else:
                     self.scheduler.labels(stat=key.removeprefix("scheduler_")).set(value)
         return generate_latest(self.registry).decode()
+
+
+def health_body(engine, *, draining: bool, full: bool) -> tuple[int, dict]:
+    """`/health`: 200 while the engine can serve, 503 (with the reason) while draining,
+    restarting after a failed step, or dead. ``full`` (the caller has the API key, or there
+    is none): also the engine's counters, KV blocks, failures and the process's memory."""
+    report = engine.health_report()
+    status = "draining" if draining else report.status
+    body: dict = {"status": status}
+    if report.retry_after_ms is not None and not draining:
+        body["retry_after_ms"] = report.retry_after_ms
+    if full:
+        if status != "ok":
+            body["reason"] = "the server is shutting down" if draining else report.reason
+        body.update(engine_failures=report.engine_failures, **engine.stats(), **process_memory())
+    return (200 if status == "ok" else 503), body
+
+
+def process_memory() -> dict[str, int]:
+    """This process's resident memory now and at its peak, in bytes (Linux)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        rss = peak
+    return {"rss_bytes": rss, "peak_rss_bytes": peak}

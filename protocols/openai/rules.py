@@ -10,7 +10,7 @@ import structlog
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from tokenloom.core.errors import ClientError, RequestTooLong
+from tokenloom.core.errors import ClientError, RequestTooLong, quoted
 from tokenloom.protocols.gateway import Refusal
 from tokenloom.protocols.openai import schema
 
@@ -34,10 +34,13 @@ class HTTPError(Exception):
 
 
 def client_error(exc: ClientError, req=None) -> HTTPError:
-    """400 naming the field the client sent (``max_completion_tokens`` where it used that name)."""
+    """400 naming the field the client sent (``max_completion_tokens`` where it used that
+    name, chat's ``top_logprobs`` for the engine's ``logprobs``)."""
     param, message = exc.param, str(exc)
     if param == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
         param, message = "max_completion_tokens", message.replace("max_tokens", "max_completion_tokens")
+    if param == "logprobs" and getattr(req, "top_logprobs", None) is not None:
+        param, message = "top_logprobs", message.replace("logprobs", "top_logprobs", 1)
     code = "context_length_exceeded" if isinstance(exc, RequestTooLong) else exc.code
     return HTTPError(400, message, param=param, code=code)
 
@@ -50,7 +53,7 @@ def refused(refusal: Refusal) -> HTTPError:
 
 class Rules:
     """ASGI middleware: the gateway's Origin and API-key rules on every route but /health
-    (a CORS preflight from a listed Origin is answered without the key, as browsers send
+    (and /metrics with --public-metrics; a CORS preflight from a listed Origin is answered without the key, as browsers send
     it without credentials), CORS headers for listed Origins, OpenAI-shaped errors."""
 
     def __init__(self, app, gateway):
@@ -67,7 +70,7 @@ class Rules:
             cors = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
         try:
             if not gateway.origin_allowed(origin, request.headers.get("host")):
-                raise HTTPError(403, f"Origin {origin!r} is not allowed (see --allow-origin)",
+                raise HTTPError(403, f"Origin {quoted(origin)} is not allowed (see --allow-origin)",
                                 code="origin_not_allowed")
             if request.method == "OPTIONS" and origin is not None:  # a CORS preflight
                 asked = request.headers.get("access-control-request-headers", "authorization, content-type")
@@ -75,7 +78,9 @@ class Rules:
                     **cors, "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
                     "Access-Control-Allow-Headers": asked, "Access-Control-Max-Age": "600",
                 })(scope, receive, send)
-            if request.url.path != "/health" and not gateway.bearer_authorized(request.headers.get("authorization")):
+            open_path = request.url.path == "/health" or (request.url.path == "/metrics"
+                                                          and gateway.options.public_metrics)
+            if not open_path and not gateway.bearer_authorized(request.headers.get("authorization")):
                 raise HTTPError(401, "missing or invalid API key (send Authorization: Bearer <key>)",
                                 code="invalid_api_key")
             await self.app(scope, receive, _with_headers(send, cors))

@@ -2,12 +2,24 @@
 
 Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (``stream: true`` answers with server-sent events, ended by
-``data: [DONE]``), and ``GET /health``. The rules are the gateway's, shared with the
-WebSocket frontend: the same API key (``Authorization: Bearer``), the same browser Origin
-list (with CORS headers for listed Origins), one queue limit. Status codes are the ones the
+``data: [DONE]``), ``GET /health`` (the status; with the key the engine's state too, as on
+the WebSocket port) and ``GET /metrics`` (Prometheus, the whole server's; needs the key
+unless ``--public-metrics``). The rules are the gateway's, shared with the WebSocket
+frontend: the same API key (``Authorization: Bearer``), the same browser Origin list (with
+CORS headers for listed Origins), one queue limit, one connection count. Connections
+(connection.py): a request head must arrive within ``--http-header-timeout`` and its body
+within ``--http-body-timeout`` (else 408 and close), an idle keep-alive connection is
+closed after ``--http-keepalive-timeout``, and a connection over ``--max-connections`` or
+``--max-connections-per-client`` (counted with the WebSocket port's) gets 503 and is
+closed; all of it counted in /metrics, not logged line by line. Status codes are the ones the
 official client maps to its exceptions: 400 (``BadRequestError``, the ``param`` named),
 401, 403, 404 (unknown model or route), 413 (body over ``max_body_bytes``), 429 (rate
 limit) and 503 (queue full, shutting down, engine restarting), both with ``Retry-After``.
+An engine step that fails under a request is a 503 ``engine_error`` too, not a 500, with
+the failure in the error body (``{"error": {"message", "type": "server_error", "code"}}``,
+``Retry-After`` while the engine restarts); a streamed answer gets an ``error`` event
+instead, its 200 being already sent. Only a bug in the server itself is a 500. Error
+messages quote a client's value (model name, path, Origin, ...) cut to 100 characters.
 A client that disconnects — mid-stream or while waiting for a whole answer — aborts its
 request, whose KV blocks come back at the next step boundary.
 """
@@ -16,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import uuid
 from collections import OrderedDict
@@ -27,10 +40,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from tokenloom.core.errors import ClientError, EngineUnavailable
+from tokenloom.core.errors import ClientError, EngineUnavailable, quoted
+from tokenloom.protocols.connections import install_accept_guard
 from tokenloom.protocols.gateway import RateLimited, Refused
+from tokenloom.protocols.metrics import health_body
 from tokenloom.protocols.openai import schema
 from tokenloom.protocols.openai.answer import Answer
+from tokenloom.protocols.openai.connection import QuietProtocolErrors, http_protocol
 from tokenloom.protocols.openai.rules import HTTPError, Rules, client_error, refused
 from tokenloom.protocols.ratelimit import RateLimiter
 
@@ -64,6 +80,7 @@ class OpenAIFrontend:
         self._limiters: OrderedDict[str, RateLimiter] = OrderedDict()
         self._server: _Uvicorn | None = None
         self._task: asyncio.Task | None = None
+        self._quiet: logging.Filter | None = None
         self._port = 0
         self.app = Starlette(routes=[
             Route("/v1/models", self.list_models, methods=["GET"]),
@@ -71,6 +88,7 @@ class OpenAIFrontend:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
         ])
         self.app.add_exception_handler(404, self._not_found)
         self.app.add_exception_handler(405, self._not_allowed)
@@ -81,8 +99,16 @@ class OpenAIFrontend:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.create_server((self.host, self.options.port), family=family)
         self._port = sock.getsockname()[1]
+        o = self.gateway.options
+        install_accept_guard(asyncio.get_running_loop(), self.gateway.metrics)
+        self._quiet = QuietProtocolErrors(self.gateway.metrics)
+        logging.getLogger("uvicorn.error").addFilter(self._quiet)
+        # h11 with read deadlines, counted in the gateway's connection limits; no WebSocket
+        # upgrades on this port (the WebSocket frontend has its own)
         config = uvicorn.Config(self.app, log_config=None, log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=5, server_header=False)
+                                lifespan="off", timeout_graceful_shutdown=5, server_header=False,
+                                http=http_protocol(self.gateway), ws="none",
+                                timeout_keep_alive=o.http_keepalive_timeout_s)
         self._server = _Uvicorn(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="tokenloom-openai")
         while not self._server.started:
@@ -116,6 +142,7 @@ class OpenAIFrontend:
             self._server.should_exit = True
             with contextlib.suppress(Exception):
                 await self._task
+        logging.getLogger("uvicorn.error").removeFilter(self._quiet)
 
     # ---- routes -------------------------------------------------------------------------
     def _model_card(self) -> dict:
@@ -128,12 +155,21 @@ class OpenAIFrontend:
     async def get_model(self, request: Request) -> Response:
         model_id = request.path_params["model_id"]
         if model_id not in self.aliases:
-            raise HTTPError(404, f"The model `{model_id}` does not exist", param="model", code="model_not_found")
+            raise HTTPError(404, f"The model {quoted(model_id)} does not exist", param="model",
+                            code="model_not_found")
         return schema.json_response(self._model_card())
 
     async def health(self, request: Request) -> Response:
-        status = "draining" if self.gateway.draining else self.engine.health_report().status
-        return schema.json_response({"status": status}, 200 if status == "ok" else 503)
+        """As on the WebSocket port: the status alone, and with the API key (or none set)
+        the engine's counters, KV blocks, failures and memory too."""
+        full = self.gateway.bearer_authorized(request.headers.get("authorization"))
+        status, body = health_body(self.engine, draining=self.gateway.draining, full=full)
+        return schema.json_response(body, status)
+
+    async def prometheus(self, request: Request) -> Response:
+        """Prometheus metrics of the whole server (every frontend's)."""
+        m = self.gateway.metrics
+        return Response(m.render(), media_type=m.content_type)
 
     async def chat_completions(self, request: Request) -> Response:
         req = schema.decode_request(await self._body(request), schema.ChatCompletionRequest)
@@ -187,7 +223,7 @@ class OpenAIFrontend:
         """Admission through the gateway (reserve a queue slot, charge the rate limits,
         tokenise, submit), then the answer."""
         if req.model not in self.aliases:
-            raise HTTPError(404, f"The model `{req.model}` does not exist; this server serves `{self.model}`",
+            raise HTTPError(404, f"The model {quoted(req.model)} does not exist; this server serves {self.model!r}",
                             param="model", code="model_not_found")
         gateway, limiter = self.gateway, self._limiter(request)
         params, open_ended = schema.sampling_params(req, num_logprobs)
@@ -218,9 +254,9 @@ class OpenAIFrontend:
 
     # ---- errors ---------------------------------------------------------------------------
     async def _not_found(self, request: Request, exc) -> Response:
-        return HTTPError(404, f"no route {request.url.path}; see /v1/models, /v1/completions, "
+        return HTTPError(404, f"no route {quoted(request.url.path)}; see /v1/models, /v1/completions, "
                               "/v1/chat/completions", code="not_found").response()
 
     async def _not_allowed(self, request: Request, exc) -> Response:
-        return HTTPError(405, f"{request.method} is not allowed on {request.url.path}",
+        return HTTPError(405, f"{quoted(request.method)} is not allowed on {quoted(request.url.path)}",
                          code="method_not_allowed").response()

@@ -12,13 +12,16 @@ and any frame that cannot be handled gets an ``error`` while the connection and 
 requests carry on. With an API key set, the WebSocket and ``/metrics`` need it, and
 ``/health`` without it answers only its status. SIGTERM stops
 accepting, lets running requests finish until a deadline, ends the rest as ``aborted``
-and closes every connection with 1001.
+and closes every connection with 1001. Connections count towards the gateway's limits,
+shared with the OpenAI port (``max_connections`` in all, ``max_connections_per_client``
+per address; over them a 503 and close, counted, see protocols/connections.py), and a
+connection's handshake or plain request must arrive within ``http_header_timeout_s``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
-import resource
 import time
 from importlib import resources
 
@@ -26,6 +29,7 @@ import structlog
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.http11 import Response
 
+from tokenloom.protocols.connections import counted, install_accept_guard
 from tokenloom.protocols.gateway import Gateway, ServerOptions  # noqa: F401 (ServerOptions re-exported)
 from tokenloom.protocols.http import (
     bytes_response,
@@ -34,6 +38,7 @@ from tokenloom.protocols.http import (
     select_subprotocol,
     text_response,
 )
+from tokenloom.protocols.metrics import health_body, process_memory  # noqa: F401 (process_memory re-exported)
 from tokenloom.protocols.websocket.connection import Connection
 
 log = structlog.get_logger("tokenloom.server")
@@ -74,10 +79,15 @@ class TokenServer:
 
     async def start(self) -> None:
         o = self.options
+        install_accept_guard(asyncio.get_running_loop(), self.metrics)
+        # Every TCP connection counts in the gateway's limits (the OpenAI port's too) and is
+        # refused over them; the handshake (or a plain request) must come within the header timeout.
         self._server = await serve(self._handle, o.host, o.port, max_size=o.max_frame_bytes,
                                    process_request=self._process_request, server_header=None,
                                    select_subprotocol=select_subprotocol,
-                                   write_limit=o.write_limit_bytes)
+                                   write_limit=o.write_limit_bytes, open_timeout=o.http_header_timeout_s,
+                                   create_connection=counted(ServerConnection, self.gateway.connections,
+                                                             "websocket"))
         log.info("server_started", host=o.host, port=self.port, model=self.engine.model_name)
 
     # ---- HTTP side of the port: health, metrics, auth, connection limit ---------------
@@ -120,16 +130,7 @@ class TokenServer:
     def _health(self, *, full: bool) -> Response:
         """200 while the engine can serve, 503 (with the reason) while draining, restarting
         after a failed step, or dead. Without the API key: the status alone."""
-        report = self.engine.health_report()
-        status = "draining" if self.draining else report.status
-        body: dict = {"status": status}
-        if report.retry_after_ms is not None and not self.draining:
-            body["retry_after_ms"] = report.retry_after_ms
-        if full:
-            if status != "ok":
-                body["reason"] = "the server is shutting down" if self.draining else report.reason
-            body.update(engine_failures=report.engine_failures, **self.engine.stats(), **process_memory())
-        return json_response(200 if status == "ok" else 503, body)
+        return json_response(*health_body(self.engine, draining=self.draining, full=full))
 
     async def _handle(self, ws: ServerConnection) -> None:
         if self.options.socket_send_buffer:
@@ -169,17 +170,6 @@ class TokenServer:
         await self.gateway.wait_drained(deadline_s)
         await self.close()
         log.info("server_stopped")
-
-
-def process_memory() -> dict[str, int]:
-    """This process's resident memory now and at its peak, in bytes (Linux)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    try:
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * resource.getpagesize()
-    except OSError:
-        rss = peak
-    return {"rss_bytes": rss, "peak_rss_bytes": peak}
 
 
 def _static(filename: str, content_type: str) -> Response:
