@@ -58,14 +58,14 @@ class Answer:
             if not collect.done():  # the client left: abort; the stream still ends with Finished
                 self.engine.abort(self.rid)
             final, entries = await collect
+            self._finished(final)  # before close(): its final result is consumed
         finally:
             gone.cancel()
             collect.cancel()
             self.close()
-        self._finished(final)
-        if final.finish_reason == "error":
-            raise HTTPError(500, f"the engine failed on this request: {final.error}", kind="server_error",
-                            code="engine_error")
+        if final.finish_reason == "error":  # 503, not 500: the engine restarts; retrying is right
+            raise HTTPError(503, f"the engine failed on this request: {final.error}", kind="server_error",
+                            code="engine_error", retry_after_ms=self.engine.health_report().retry_after_ms)
         choice = self._choice(final.text, self._logprobs(entries, final.text, 0),
                               schema.finish_reason(final.finish_reason), stream=False)
         return schema.json_response(self._envelope([choice], stream=False, usage=schema.usage_body(final.usage)))
@@ -110,9 +110,12 @@ class Answer:
 
     def close(self) -> None:
         """The answer is over: abort the request if it still runs (the client left), and
-        count its end once the engine has ended it."""
+        count its end once the engine has ended it. Whether or not this abort is the one
+        that ends it (leaving the engine's stream aborts too, and the engine may have ended
+        it meanwhile), its final result has not been consumed yet, so it is awaited here."""
         self.frontend.active.discard(self.rid)
-        if not self.finished and self.engine.abort(self.rid):
+        if not self.finished:
+            self.engine.abort(self.rid)
             task = asyncio.ensure_future(self._count_abort())
             self.frontend.background.add(task)
             task.add_done_callback(self.frontend.background.discard)

@@ -9,6 +9,10 @@ fields are ignored, as OpenAI's own server and vLLM ignore what they do not use.
 Extensions in vLLM's spirit: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``, and tokenloom's ``decoder``, ``num_speculative_tokens`` and the latency
 targets ``slo_class``, ``ttft_ms``, ``tpot_ms`` (see SamplingParams).
+Log-probabilities: chat's ``top_logprobs`` in [0, 20] as OpenAI bounds it (a value out of
+range is refused naming ``top_logprobs``); the completions endpoint's ``logprobs: N`` in
+[0, 20] too (OpenAI's legacy endpoint stops at 5). Error messages quote a client's value
+cut to 100 characters, with its length.
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ from typing import Annotated, Any
 
 import msgspec
 
-from tokenloom.core.errors import ClientError
+from tokenloom.core.errors import ClientError, quoted
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.protocols.websocket.messages import MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_TOKEN_ID
 
 Text = Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)]
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on chat's top_logprobs; tokenloom holds completions' logprobs to it too
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -120,6 +125,8 @@ def _refuse_unsupported(req: _Sampling) -> None:
             raise ClientError("tools (function calling) are not supported", param="tools")
         if req.response_format and req.response_format.get("type", "text") != "text":
             raise ClientError("only response_format {'type': 'text'} is supported", param="response_format")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ClientError.bad_value("top_logprobs", req.top_logprobs, f"in [0, {MAX_TOP_LOGPROBS}]")
         if req.top_logprobs is not None and not req.logprobs:
             raise ClientError("top_logprobs needs logprobs: true", param="top_logprobs")
     else:
@@ -140,7 +147,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
         if isinstance(content, list):
             for part in content:
                 if part.type != "text" or part.text is None:
-                    raise ClientError(f"messages[{i}]: only text content parts are supported, got {part.type!r}",
+                    raise ClientError(f"messages[{i}]: only text content parts are supported, got {quoted(part.type)}",
                                       param="messages")
             content = "".join(p.text for p in content)
         role = "system" if m.role == "developer" else m.role

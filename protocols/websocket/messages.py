@@ -8,6 +8,8 @@ Invariants: every accepted request ends in exactly one ``done``; the concatenate
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -155,13 +157,14 @@ def decode_client(data: str | bytes) -> ClientMessage | Error:
     try:
         msg = _decoder.decode(data)
     except RecursionError:  # msgspec recurses per nesting level; a hostile frame can nest deeply
-        return Error(code="invalid_json", message="JSON nested deeper than this server decodes")
+        return Error(code="invalid_json", message="JSON nested deeper than this server decodes",
+                     id=_shallow_id(data))
     except msgspec.ValidationError as exc:
         text = str(exc)
         code = "unknown_type" if "Invalid value" in text and "$.type" in text else "invalid_message"
         return Error(code=code, message=_clean(text), param=_param_of(text), id=_id_of(data))
     except msgspec.DecodeError as exc:
-        return Error(code="invalid_json", message=_clean(str(exc)))
+        return Error(code="invalid_json", message=_clean(str(exc)), id=_shallow_id(data))
     if isinstance(msg, Generate):
         given = sum(x is not None for x in (msg.prompt, msg.prompt_token_ids, msg.messages))
         if given != 1:
@@ -193,10 +196,73 @@ _id_decoder = msgspec.json.Decoder(_IdOnly)
 
 def _id_of(data: str | bytes) -> str | None:
     """The ``id`` of a frame that failed validation, so the error can name its request.
-    Typed, never untyped: other fields are skipped, not built (skipping still recurses,
-    hence RecursionError)."""
+    Typed, never untyped: other fields are skipped, not built. Skipping still recurses (and
+    msgspec bounds the depth it skips), so a frame nested too deep for that is scanned."""
     try:
         rid = _id_decoder.decode(data).id
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-        return None
+        return _shallow_id(data)
     return rid if rid is not None and 0 < len(rid) <= MAX_ID_LEN else None
+
+
+_STRUCTURAL = re.compile(r'[\[\]{}"]')
+_STRING_REST = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*"')  # the rest of a string literal after its opening quote
+_SPACE = re.compile(r"[ \t\r\n]*")
+_SCAN_STEPS = 20_000  # structural characters and strings looked at, at most (bounded work per bad frame)
+_SCAN_CHARS = 1 << 18  # and characters: an id comes early in a frame
+_ID_SPELLINGS = frozenset(f'"{i}{d}"' for i in ("i", "\\u0069") for d in ("d", "\\u0064"))  # JSON's ways to write "id"
+
+
+def _shallow_id(data: str | bytes) -> str | None:
+    """A string ``id`` key of the top-level object, found without decoding the frame: for
+    frames that cannot be decoded (nested too deep, truncated), whose error should still
+    name the request when its id comes before the trouble. A linear scan that never
+    recurses, gives up after ``_SCAN_STEPS`` tokens or ``_SCAN_CHARS`` characters, and
+    returns None when unsure."""
+    text = data[:_SCAN_CHARS] if isinstance(data, str) else data[:_SCAN_CHARS].decode("utf-8", "replace")
+    depth, pos = 0, 0
+    for _ in range(_SCAN_STEPS):
+        m = _STRUCTURAL.search(text, pos)
+        if m is None:
+            return None
+        char, pos = m.group(), m.end()
+        if depth == 0 and char != "{":
+            return None  # not an object
+        if char in "[{":
+            depth += 1
+            continue
+        if char in "]}":
+            depth -= 1
+            if depth == 0:
+                return None
+            continue
+        end = _STRING_REST.match(text, pos)
+        if end is None:
+            return None  # unterminated
+        literal, pos = text[m.start():end.end()], end.end()
+        if depth != 1:
+            continue
+        pos = _skip_space(text, pos)
+        if not text.startswith(":", pos):
+            continue  # a value, not a key
+        pos = _skip_space(text, pos + 1)
+        if literal not in _ID_SPELLINGS:
+            continue
+        if not text.startswith('"', pos) or (value := _STRING_REST.match(text, pos + 1)) is None:
+            return None
+        rid = _json_string(text[pos:value.end()])
+        return rid if rid is not None and 0 < len(rid) <= MAX_ID_LEN else None
+    return None
+
+
+def _skip_space(text: str, pos: int) -> int:
+    m = _SPACE.match(text, pos)
+    return m.end() if m else pos
+
+
+def _json_string(literal: str) -> str | None:
+    try:
+        value = json.loads(literal)
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
