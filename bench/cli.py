@@ -117,9 +117,14 @@ def add_bench_parser(sub) -> None:
 def _add_serve_bench(bsub) -> None:
     from tokenloom.bench.serve import cmd_serve_bench
 
-    sv = bsub.add_parser("serve", help="load generator over the WebSocket protocol (start `tokenloom serve` first)")
+    sv = bsub.add_parser("serve", help="load generator over the WebSocket protocol, or a soak through either "
+                                       "frontend (start `tokenloom serve` first)")
     sv.add_argument("--url", default="ws://127.0.0.1:8765")
-    sv.add_argument("--rate", action="append", default=None, help="requests/s, Poisson arrivals; inf = all at once")
+    sv.add_argument("--openai", metavar="URL", default=None,
+                    help="soak through the OpenAI frontend at URL (e.g. http://127.0.0.1:8000) instead of --url: "
+                         "each request streams /v1/completions (SSE) on its own HTTP connection; needs --duration")
+    sv.add_argument("--rate", action="append", default=None,
+                    help=f"requests/s, Poisson arrivals; inf = all at once (default inf; a soak: {SOAK_RATE})")
     sv.add_argument("--concurrency", type=int, default=64)
     sv.add_argument("--num-requests", type=int, default=64)
     sv.add_argument("--prompt-len", default="32-256")
@@ -133,8 +138,11 @@ def _add_serve_bench(bsub) -> None:
     sv.set_defaults(func=lambda a: cmd_serve_bench(_default_rates(a)))
 
 
+SOAK_RATE = "4"  # requests/s of a soak given no --rate (all at once would only measure refusals)
+
+
 def _default_rates(args):
-    args.rate = args.rate or ["inf"]
+    args.rate = args.rate or ([SOAK_RATE] if args.duration is not None else ["inf"])
     return args
 
 

@@ -1,4 +1,5 @@
-"""`tokenloom bench serve`: a load generator over the WebSocket protocol.
+"""`tokenloom bench serve`: a load generator over the WebSocket protocol (with
+``--duration``, a soak of either frontend: bench/soak.py).
 
 Requests arrive as a Poisson process at ``--rate`` per second (``inf``: all at once),
 at most ``--concurrency`` in flight; the prompts are the seeded offline workload. Each
@@ -93,14 +94,22 @@ def cmd_serve_bench(args) -> int:
 
     workload = make_workload(args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len),
                              seed=args.workload_seed)
+    openai_url = getattr(args, "openai", None)
+    if openai_url is not None and args.duration is None:
+        print("--openai soaks the OpenAI frontend: give --duration S (the load benchmark speaks WebSocket)")
+        return 2
+    if args.duration is not None and not all(math.isfinite(float(r)) and float(r) > 0 for r in args.rate):
+        print("a soak sends at a finite --rate R > 0 requests/s")
+        return 2
     if args.duration is not None:
-        from tokenloom.bench.soak import format_soak, run_soak, soak_passed
+        from tokenloom.bench.soak import format_soak, run_openai_soak, run_soak, soak_passed
 
-        reports = [asyncio.run(run_soak(args.url, float(rate), args.duration, workload, args.workload_seed,
-                                        args.disconnect_fraction, env.api_key())) for rate in args.rate]
+        url, soak = (openai_url, run_openai_soak) if openai_url is not None else (args.url, run_soak)
+        reports = [asyncio.run(soak(url, float(rate), args.duration, workload, args.workload_seed,
+                                    args.disconnect_fraction, env.api_key())) for rate in args.rate]
         for r in reports:
             print(format_soak(r))
-        write_json({"url": args.url, "soak": reports}, args.json)
+        write_json({"url": url, "soak": reports}, args.json)
         return 0 if all(soak_passed(r) for r in reports) else 1
     reports = []
     for rate in args.rate:
