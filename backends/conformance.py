@@ -410,7 +410,9 @@ def _make_backend(backend, options, device: torch.device, plugins: Sequence[Any]
         entry = PluginManager(load_entry_points=False, extra=list(plugins)).get("backend", backend)
         if entry.options is not None and not isinstance(options, entry.options):
             options = msgspec.convert(options or {}, entry.options)
-        return entry.factory(options, device)
+        from tokenloom.core import contracts
+
+        return contracts.build(entry, options, device)  # a registered backend must satisfy Backend
     return backend(options, device)
 
 

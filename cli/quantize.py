@@ -33,6 +33,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
     from tokenloom import LLM
     from tokenloom.cli.args import flags_layer, progress_bar
+    from tokenloom.core import contracts
     from tokenloom.core.build import config_from_sources
     from tokenloom.core.evaluation import calibration_texts
     from tokenloom.core.loader.resolve import resolve_model_path
@@ -54,8 +55,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     pm = PluginManager()
     config = config_from_sources(pm, args.config, flags)
     t0 = time.perf_counter()
-    checkpoint = load_checkpoint(resolve_model_path(config.engine.model),
-                                 {n: e.factory for n, e in pm.entries("model_format").items()}, torch.float32)
+    checkpoint = load_checkpoint(resolve_model_path(config.engine.model), contracts.model_formats(pm), torch.float32)
     dense = dense_weights(checkpoint)
     captures = None
     if opts.needs_hessians or opts.method == "awq":

@@ -107,12 +107,13 @@ def _checkpoint_weights(engine):
     checkpoint (tied: the same tensor)."""
     import torch
 
+    from tokenloom.core import contracts
     from tokenloom.core.loader.resolve import resolve_model_path
     from tokenloom.core.runner import load_checkpoint
     from tokenloom.core.weights import dense_tensor
 
-    formats = {n: e.factory for n, e in engine.pm.entries("model_format").items()}
-    ckpt = load_checkpoint(resolve_model_path(engine.config.engine.model), formats, torch.float32)
+    ckpt = load_checkpoint(resolve_model_path(engine.config.engine.model), contracts.model_formats(engine.pm),
+                           torch.float32)
     embedding = dense_tensor(ckpt.weights["model.embed_tokens.weight"]).float()
     if ckpt.config.tie_word_embeddings:
         return embedding, embedding
