@@ -21,7 +21,9 @@ dtype (``auto``, ``fp8``, ``int8``):
    dequantised weight;
 7. ``capture_decode``: a two-layer LLaMA (random weights, head dim 64, GQA 2) on the
    backend under test prefills three prompts, then three decode steps each run by its
-   captured step and by the same model op by op (skipped when it captures nothing).
+   captured step and by the same model op by op (skipped when it captures nothing);
+8. ``kv_bytes_per_token`` (what the engine sizes its KV pool with) against the bytes of
+   the tensors a pool from ``allocate_kv_cache`` really holds, per dtype and KV-cache dtype.
 
 KV pools are opaque: a backend's layout is its own, so the pools are compared directly only
 where they have the torch backend's form (same type, shape and dtype); otherwise the KV
@@ -119,6 +121,35 @@ def _close(op: str, where: str, got, want, atol: float, rtol: float) -> float:
 
 def _pools_comparable(got_pool, want_pool) -> bool:
     return type(got_pool) is type(want_pool) and got_pool.shape == want_pool.shape and got_pool.dtype == want_pool.dtype
+
+
+def pool_bytes(pool: Any) -> int:
+    """The bytes of the distinct tensor storages reachable from ``pool`` (an opaque KV pool:
+    tensors inside lists, tuples, dicts and objects' fields), each storage counted once."""
+    storages: dict[tuple[int, str], int] = {}
+    seen: set[int] = set()
+
+    def walk(obj: Any, depth: int) -> None:
+        if depth > 6 or id(obj) in seen or isinstance(obj, (str, bytes, int, float, torch.dtype, torch.device)):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            storages[(storage.data_ptr(), str(obj.device))] = storage.nbytes()
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            for item in obj:
+                walk(item, depth + 1)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                walk(item, depth + 1)
+        else:
+            names = [n for klass in type(obj).__mro__ for n in getattr(klass, "__slots__", ())]
+            values = [getattr(obj, n, None) for n in names] + list(getattr(obj, "__dict__", {}).values())
+            for item in values:
+                walk(item, depth + 1)
+
+    walk(pool, 0)
+    return sum(storages.values())
 
 
 def _slots_of(pool, slots: torch.Tensor) -> torch.Tensor:
@@ -285,6 +316,20 @@ class _Kit:
                 self.check(f"{op} ({name} pool)", where, _slots_of(got, slots), _slots_of(want, slots),
                            torch.float32, extra + self.tolerances[dtype][0])
 
+    def kv_sizing(self, dtype: torch.dtype, kv_dtype: str) -> None:
+        """``kv_bytes_per_token`` times the tokens a pool holds is the bytes it really holds."""
+        layers, blocks, bs, kv_heads, head_dim = 3, 5, 16, 2, 64
+        pools = self.cand.allocate_kv_cache(layers, blocks, bs, kv_heads, head_dim, dtype, kv_dtype)
+        said = self.cand.kv_bytes_per_token(layers, kv_heads, head_dim, dtype, kv_dtype)
+        held = pool_bytes(pools)
+        if said * blocks * bs != held:
+            raise ConformanceError(
+                f"kv_bytes_per_token [layers={layers} kv_heads={kv_heads} head_dim={head_dim}; "
+                f"dtype={str(dtype).removeprefix('torch.')} kv_cache_dtype={kv_dtype}]: says {said} bytes a token, "
+                f"so {said * blocks * bs} for {blocks} blocks of {bs}, but allocate_kv_cache's pool holds {held} "
+                f"({held / (blocks * bs):g} a token)")
+        self.report["kv_bytes_per_token"] = 0.0
+
     # ---- elementwise ops and matmuls --------------------------------------------
     def norms(self, dtype: torch.dtype) -> None:
         for T, N in ((7, 97), (1, 64)):
@@ -437,6 +482,8 @@ def check_backend(backend: str | Callable[..., Any], *, options: Any = None, dev
             kit.norms(dtype)
             kit.linears(dtype)
             kit.captured_step(dtype)
+            for kv_dtype in kv_cache_dtypes:
+                kit.kv_sizing(dtype, kv_dtype)
             for case in cases:
                 for kv_dtype in kv_cache_dtypes:
                     kit.attention_case(case, dtype, kv_dtype)

@@ -61,7 +61,7 @@ class TorchAttnMeta:
 
 
 KV_STORAGE = {"fp8": (torch.float8_e4m3fn, 448.0), "int8": (torch.int8, 127.0)}  # dtype, qmax
-# 2 bytes per token per head (ModelRunner.num_blocks_for counts them). bfloat16, not float16: its
+# 2 bytes per token per head (TorchBackend.kv_bytes_per_token counts them). bfloat16, not float16: its
 # range needs no clamping (a float16 scale floors at 6e-5, coarsening rows under ~0.01), and its
 # coarser rounding costs nothing, as values are divided by the stored scale itself.
 KV_SCALE_DTYPE = torch.bfloat16
@@ -193,6 +193,21 @@ class TorchBackend:
                                torch.zeros(shape[:3], dtype=KV_SCALE_DTYPE, device=self.device), dtype, qmax)
 
         return [(pool(), pool()) for _ in range(num_layers)]
+
+    def kv_bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                           kv_cache_dtype: str = "auto") -> int:
+        """What :meth:`allocate_kv_cache` holds per token: K and V, every layer, each kv head
+        ``head_dim`` elements of ``dtype``; 8-bit pools one byte per element plus one
+        ``KV_SCALE_DTYPE`` scale per kv head."""
+        if kv_cache_dtype == "auto":
+            per_head = head_dim * dtype.itemsize
+        elif kv_cache_dtype in KV_STORAGE:
+            per_head = head_dim * KV_STORAGE[kv_cache_dtype][0].itemsize + KV_SCALE_DTYPE.itemsize
+        else:
+            from tokenloom.core.errors import ConfigError
+
+            raise ConfigError(f"kv_cache_dtype must be auto, fp8 or int8, got {kv_cache_dtype!r}")
+        return 2 * num_layers * num_kv_heads * per_head
 
     # ---- per-step metadata ------------------------------------------------------
     def prepare(self, inp: AttentionInputs) -> TorchAttnMeta:

@@ -7,6 +7,7 @@ import os
 import subprocess
 from dataclasses import dataclass
 
+import msgspec
 import structlog
 import torch
 
@@ -25,6 +26,7 @@ from tokenloom.core.executor import (
     torchrun_env,
 )
 from tokenloom.core.interfaces import (
+    PREFIX_CACHING_OPTION,
     Backend,
     CacheManager,
     Decoder,
@@ -66,12 +68,38 @@ class EngineParts:
 @dataclass(slots=True)
 class SecondModel:
     """A model a decoder loaded beside the target (a draft model): its own runner (weights,
-    KV pool, sampler) and its own cache manager over that pool, prefix caching off."""
+    KV pool, sampler) and its own cache manager over that pool (:data:`SECOND_MODEL_CACHE_MANAGER`,
+    prefix caching off: :func:`cache_without_prefix_caching`)."""
 
     runner: ModelRunner
     cache: CacheManager
     tokenizer: Tokenizer
     name: str
+
+
+#: the registered cache manager a second model's pool gets (with prefix caching off)
+SECOND_MODEL_CACHE_MANAGER = "paged"
+
+
+def cache_without_prefix_caching(pm: PluginManager, name: str, num_blocks: int, block_size: int) -> CacheManager:
+    """Build cache manager ``name`` from the registry with its options' defaults and prefix
+    caching off, through the documented switch (:data:`PREFIX_CACHING_OPTION` in its options
+    struct, see ``CacheManager``; a manager without the switch gets its defaults). A draft
+    model needs this: its tokens past the agreed prefix are rolled back and overwritten, so
+    no block of it may be registered for reuse. Raises ConfigError when the manager built
+    still says ``prefix_caching``."""
+    entry = pm.get("cache_manager", name)
+    options = None
+    if entry.options is not None:
+        try:
+            options = msgspec.convert({PREFIX_CACHING_OPTION: False}, entry.options)
+        except msgspec.ValidationError:  # no such switch: its defaults, checked below
+            options = msgspec.convert({}, entry.options)
+    cache = entry.factory(options, num_blocks, block_size)
+    if cache.prefix_caching:
+        raise ConfigError(f"cache manager {name!r} cannot turn prefix caching off (its options need a "
+                          f"bool {PREFIX_CACHING_OPTION!r} field)")
+    return cache
 
 
 def load_second_model(config: EngineConfig, pm: PluginManager, backend, device, *, model: str | None = None,
@@ -82,8 +110,6 @@ def load_second_model(config: EngineConfig, pm: PluginManager, backend, device, 
     the engine's block size. ``num_layers`` keeps only the first N transformer layers (a
     layer-truncated draft of the same model). Call it on the step thread (a decoder's
     constructor is)."""
-    from tokenloom.plugins.cache.paged import PagedOptions
-
     e = config.engine
     torch_dtype = pick_dtype(dtype, device)
     ckpt = load_checkpoint(resolve_model_path(model or e.model), contracts.model_formats(pm), torch_dtype)
@@ -100,8 +126,7 @@ def load_second_model(config: EngineConfig, pm: PluginManager, backend, device, 
     runner = ModelRunner(ckpt, backend=backend, quantizer=q, dtype=torch_dtype, device=device,
                          block_size=e.block_size, max_model_len=max_len, seed=e.seed + 1, capture=e.capture)
     runner.allocate_kv_cache(num_kv_blocks)
-    cache = pm.get("cache_manager", "paged").factory(PagedOptions(enable_prefix_caching=False), num_kv_blocks,
-                                                     e.block_size)
+    cache = cache_without_prefix_caching(pm, SECOND_MODEL_CACHE_MANAGER, num_kv_blocks, e.block_size)
     return SecondModel(runner, cache, ckpt.tokenizer, ckpt.name)
 
 
@@ -218,7 +243,7 @@ def _build_rest(config: EngineConfig, pm: PluginManager, loaded: LoadedRunner, e
     dtype, device, backend = runner.dtype, runner.device, runner.backend
     # Last, the KV pool: sized from what is left once the weights are in place (for the rank
     # with the most KV heads: every rank holds the same number of blocks).
-    num_blocks = e.num_kv_blocks or ModelRunner.num_blocks_for(tp.largest_config(mcfg), dtype, e.block_size,
+    num_blocks = e.num_kv_blocks or ModelRunner.num_blocks_for(backend, tp.largest_config(mcfg), dtype, e.block_size,
                                                                e.kv_cache_memory_mb, e.kv_cache_dtype)
     executor.allocate_kv_cache(num_blocks, e.kv_cache_dtype)
     cache: CacheManager = contracts.build(pm.get("cache_manager", config.cache_manager.name),

@@ -26,6 +26,8 @@ if TYPE_CHECKING:  # annotations only: most of these import this module (a cycle
     from tokenloom.protocols.gateway import Gateway
 
 BLOCK_FREE, BLOCK_USED, BLOCK_CACHED = 0, 1, 2  # CacheManager.block_states() values
+#: the field of a cache manager's options struct that turns its prefix caching off (see CacheManager)
+PREFIX_CACHING_OPTION = "enable_prefix_caching"
 
 
 @dataclass(slots=True)
@@ -81,7 +83,12 @@ class CacheStats:
 
 @runtime_checkable
 class CacheManager(Protocol):
-    """Owns KV block *ids* (the runner owns the tensors)."""
+    """Owns KV block *ids* (the runner owns the tensors).
+
+    A manager with prefix caching that can run without it declares a ``bool`` field named
+    :data:`PREFIX_CACHING_OPTION` (``enable_prefix_caching``) in its registered options
+    struct, and false there makes ``prefix_caching`` false (``paged`` does). A second
+    model's pool (a draft model's, ``core.build.load_second_model``) is built that way."""
 
     block_size: int
     num_blocks: int
@@ -311,6 +318,16 @@ class Backend(Protocol):
         """One (k, v) pair per layer; their layout is the backend's business. ``kv_cache_dtype``
         "auto" stores ``dtype``; "fp8" / "int8" store 8 bits with scales, and ``write_kv`` /
         ``attention`` quantise and dequantise (the model always hands them ``dtype``)."""
+
+    def kv_bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype,
+                           kv_cache_dtype: str = "auto") -> int:
+        """The bytes one token's K and V take, over all ``num_layers`` layers, in the pool
+        :meth:`allocate_kv_cache` builds from the same arguments: its data and anything else it
+        keeps per token (an 8-bit pool's scales), so that a pool of ``num_blocks`` blocks is
+        ``kv_bytes_per_token(...) * num_blocks * block_size`` bytes. The engine sizes its pool
+        with it (``kv_cache_memory_mb``), and so does the planner; the conformance kit checks
+        it against the tensors a pool really holds. Raises as ``allocate_kv_cache`` does for an
+        unknown ``kv_cache_dtype``."""
 
     def prepare(self, meta: AttentionInputs) -> Any:  # Any: the metadata is the backend's own
         """Build per-step attention metadata once, before the layers run, from an

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from tokenloom.core.attention import AttentionInputs, PrefillSpan, StepBuffers
+from tokenloom.core.interfaces import Backend
 from tokenloom.core.loader import LoadedCheckpoint
+from tokenloom.core.models.config import ModelConfig
 from tokenloom.core.models.llama import LlamaModel
 from tokenloom.core.parallel import TensorParallel
 from tokenloom.core.sampler import Sampler
@@ -31,7 +33,6 @@ class ForwardOutput:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_SCALE_BYTES = 2  # a quantised KV pool's bfloat16 scale per token per head (backends/torch_backend.py)
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -87,16 +88,16 @@ class ModelRunner:
                                                         kv_cache_dtype)
 
     @staticmethod
-    def kv_bytes_per_token(cfg, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-        """KV pool bytes one token takes over all layers. fp8/int8: one byte per element plus
-        one bfloat16 scale per token per kv head, for K and for V (the torch backend's layout)."""
-        if kv_cache_dtype == "auto":
-            return cfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
-        return cfg.kv_bytes_per_token(1) + 2 * cfg.num_layers * cfg.num_kv_heads * KV_SCALE_BYTES
+    def kv_bytes_per_token(backend: Backend, cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        """KV pool bytes one token of ``cfg`` takes over all layers in ``backend``'s pool
+        (``Backend.kv_bytes_per_token``: the layout, 8-bit scales included, is the backend's)."""
+        return backend.kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, kv_cache_dtype)
 
     @staticmethod
-    def num_blocks_for(cfg, dtype: torch.dtype, block_size: int, memory_mb: int, kv_cache_dtype: str = "auto") -> int:
-        per_block = ModelRunner.kv_bytes_per_token(cfg, dtype, kv_cache_dtype) * block_size
+    def num_blocks_for(backend: Backend, cfg: ModelConfig, dtype: torch.dtype, block_size: int, memory_mb: int,
+                       kv_cache_dtype: str = "auto") -> int:
+        """The blocks of ``block_size`` tokens a ``memory_mb`` MiB pool of ``backend`` holds (at least one)."""
+        per_block = ModelRunner.kv_bytes_per_token(backend, cfg, dtype, kv_cache_dtype) * block_size
         return max(1, (memory_mb << 20) // per_block)
 
     def plan(self, batch: Batch) -> tuple[StepPlan, list[Sequence], list[int]]:

@@ -13,6 +13,7 @@ import torch
 
 from tokenloom.core.config import EngineOptions
 from tokenloom.core.errors import ClientError
+from tokenloom.core.interfaces import Backend
 from tokenloom.core.models.config import ModelConfig
 from tokenloom.core.runner import DTYPES, ModelRunner, pick_device, pick_dtype
 from tokenloom.core.utils import cdiv
@@ -124,14 +125,23 @@ class MemoryPlan:
         return out
 
 
+def kv_layout() -> Backend:
+    """The backend whose KV pool the plan sizes (``Backend.kv_bytes_per_token``): ``torch``,
+    the engine's default (``triton`` keeps the same pool), built without its C++ ops."""
+    from tokenloom.backends.torch_backend import TorchBackend, TorchBackendOptions
+
+    return TorchBackend(TorchBackendOptions(decode_attention="torch", cpu_linear="mkl"))
+
+
 def _at_least(param: str, value, low) -> None:
     if value is not None and value < low:
         raise ClientError.bad_value(param, value, f">= {low}")
 
 
 def plan(info: CheckpointInfo, opts: PlanOptions = PlanOptions()) -> MemoryPlan:
-    """The memory plan. KV per token is ``ModelRunner.kv_bytes_per_token`` (2 * layers * kv
-    heads * head_dim * bytes, plus the 8-bit pools' bfloat16 scales); the pool holds
+    """The memory plan. KV per token is ``ModelRunner.kv_bytes_per_token`` in the torch
+    backend's pool (:func:`kv_layout`: 2 * layers * kv heads * head_dim * bytes, plus the
+    8-bit pools' bfloat16 scales); the pool holds
     ``ModelRunner.num_blocks_for(kv_cache_memory_mb)`` blocks, the engine's own rule; with
     ``memory``, kv_cache_memory_mb is what is left after the weights and the overhead
     estimate, in whole MiB. A request of ``context`` tokens takes ``ceil(context / block_size)``
@@ -162,7 +172,8 @@ def plan(info: CheckpointInfo, opts: PlanOptions = PlanOptions()) -> MemoryPlan:
         raise ClientError(f"context ({context}) is longer than max_model_len ({max_len})", param="context", value=context)
     rows = weight_rows(info, opts.quantizer, db)
     weights = next(r for r in rows if r.selected).bytes
-    kv_token = ModelRunner.kv_bytes_per_token(cfg, dtype, opts.kv_cache_dtype)
+    layout = kv_layout()
+    kv_token = ModelRunner.kv_bytes_per_token(layout, cfg, dtype, opts.kv_cache_dtype)
     oh = overhead(cfg, db, max_num_batched_tokens=opts.max_num_batched_tokens, max_num_seqs=opts.max_num_seqs,
                   context=context, max_model_len=max_len)
     memory_bytes = None
@@ -180,7 +191,7 @@ def plan(info: CheckpointInfo, opts: PlanOptions = PlanOptions()) -> MemoryPlan:
         kv_mb, source = opts.kv_cache_memory_mb, "kv_cache_memory_mb"
     else:
         kv_mb, source = _ENGINE.kv_cache_memory_mb, "default"
-    num_blocks = ModelRunner.num_blocks_for(cfg, dtype, bs, kv_mb, opts.kv_cache_dtype)
+    num_blocks = ModelRunner.num_blocks_for(layout, cfg, dtype, bs, kv_mb, opts.kv_cache_dtype)
     per_req, per_req_contig = cdiv(context, bs), cdiv(max_len, bs)
     paged, contiguous = num_blocks // per_req, num_blocks // per_req_contig
     return MemoryPlan(

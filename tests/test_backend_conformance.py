@@ -31,7 +31,7 @@ def test_torch_backend_passes_the_kit():
     # its CPU matmuls without the load-time timing (seconds per weight shape, nothing to check)
     report = check_backend("torch", options={"cpu_linear": "mkl", "quant_max_rows": 0})
     assert {"attention", "write_kv (K pool)", "copy_blocks", "move_kv_slots", "add_rms_norm (normalised)",
-            "pack_linear(...).apply", "silu_mul"} <= set(report)
+            "pack_linear(...).apply", "silu_mul", "kv_bytes_per_token"} <= set(report)
     if TorchBackend().fused_decode is not None:  # where the C++ ops build: its captured step, bit for bit
         assert report["capture_decode (hidden states)"] == 0.0
 
@@ -75,6 +75,15 @@ class InterleavedRope(_Broken):  # GPT-J's pairing instead of rotate-half
         return x.float() * cos + rotated * sin
 
 
+class ScalesNotCounted(_Broken):
+    """Sizes an 8-bit pool without its per-token scales: the engine would overfill memory."""
+
+    def kv_bytes_per_token(self, num_layers, num_kv_heads, head_dim, dtype, kv_cache_dtype="auto"):
+        if kv_cache_dtype == "auto":
+            return super().kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+        return 2 * num_layers * num_kv_heads * head_dim
+
+
 class CapturedWithSwappedRope(TorchBackend):
     """A captured step built from the wrong tables (sin for cos): the kit must see it."""
 
@@ -103,6 +112,12 @@ def test_the_kit_names_the_broken_op(broken, op):
     msg = str(err.value)
     assert msg.startswith(op), msg
     assert "max abs diff" in msg and "at index" in msg, msg
+
+
+def test_the_kit_checks_the_kv_sizing():
+    check_backend(ScalesNotCounted, **ONE_CASE)  # auto pools: right
+    with pytest.raises(ConformanceError, match=r"^kv_bytes_per_token .*kv_cache_dtype=int8.*61440 for 5 blocks of 16.*holds 63360"):
+        check_backend(ScalesNotCounted, **{**ONE_CASE, "kv_cache_dtypes": ["auto", "int8"]})
 
 
 @needs_triton

@@ -170,3 +170,22 @@ def test_cache_manager_contract(name):
                    {"factory": staticmethod(FACTORIES[name]), "caching": name in PREFIX_CACHING})
     machine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
     machine.TestCase().runTest()
+
+
+@pytest.mark.parametrize(("name", "can"), [("paged", True), ("contiguous", True), ("radix", False)])
+def test_prefix_caching_turns_off_through_the_registered_options(name, can):
+    """A draft model's pool is built from the registry with ``PREFIX_CACHING_OPTION`` false
+    (core/build.py): ``paged`` declares it, ``contiguous`` never caches; ``radix`` always
+    does and is refused with a sentence, not built with its cache on."""
+    from tokenloom.core.build import SECOND_MODEL_CACHE_MANAGER, cache_without_prefix_caching
+    from tokenloom.core.errors import ConfigError
+    from tokenloom.core.plugins import PluginManager
+
+    pm = PluginManager(load_entry_points=False)
+    assert SECOND_MODEL_CACHE_MANAGER == "paged"
+    if can:
+        cache = cache_without_prefix_caching(pm, name, NUM_BLOCKS, BLOCK_SIZE)
+        assert cache.prefix_caching is False and cache.num_blocks == NUM_BLOCKS
+    else:
+        with pytest.raises(ConfigError, match="enable_prefix_caching"):
+            cache_without_prefix_caching(pm, name, NUM_BLOCKS, BLOCK_SIZE)

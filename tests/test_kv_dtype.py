@@ -51,17 +51,17 @@ def _model_cfg(**kw) -> ModelConfig:
 @pytest.mark.parametrize("kv", QUANTISED)
 def test_sizing_counts_eight_bit_storage_plus_scales(kv):
     smollm2 = _model_cfg(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64)
+    backend = TorchBackend()
     for cfg in (_model_cfg(), smollm2):
-        bf16 = ModelRunner.num_blocks_for(cfg, torch.bfloat16, 16, 64)
-        fp32 = ModelRunner.num_blocks_for(cfg, torch.float32, 16, 64)
-        q = ModelRunner.num_blocks_for(cfg, torch.bfloat16, 16, 64, kv)
+        bf16 = ModelRunner.num_blocks_for(backend, cfg, torch.bfloat16, 16, 64)
+        fp32 = ModelRunner.num_blocks_for(backend, cfg, torch.float32, 16, 64)
+        q = ModelRunner.num_blocks_for(backend, cfg, torch.bfloat16, 16, 64, kv)
         assert q / bf16 >= 1.9 and q / fp32 >= 3.8, (q, bf16, fp32)  # 64 + 2 bytes vs 128 (or 256) per head
     # what the sizing counts is what the torch backend allocates, byte for byte
     cfg = _model_cfg()
-    pools = TorchBackend().allocate_kv_cache(cfg.num_layers, 3, 16, cfg.num_kv_heads, cfg.head_dim,
-                                             torch.bfloat16, kv)
+    pools = backend.allocate_kv_cache(cfg.num_layers, 3, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, kv)
     allocated = sum(p.data.nbytes + p.scale.nbytes for pair in pools for p in pair)
-    assert allocated == 3 * 16 * ModelRunner.kv_bytes_per_token(cfg, torch.bfloat16, kv)
+    assert allocated == 3 * 16 * ModelRunner.kv_bytes_per_token(backend, cfg, torch.bfloat16, kv)
     k, _ = pools[0]
     assert isinstance(k, QuantizedKV) and k.data.dtype == {"fp8": torch.float8_e4m3fn, "int8": torch.int8}[kv]
     assert k.dtype == torch.bfloat16 and k.shape == (1, 3, 16, 64) and k.scale.shape == (1, 3, 16)
