@@ -54,8 +54,7 @@ from typing import Any
 
 import torch
 
-from tokenloom.core.attention import AttentionInputs, PrefillSpan
-from tokenloom.core.models.llama import apply_rope
+from tokenloom.core.attention import AttentionInputs, PrefillSpan, apply_rope
 from tokenloom.core.weights import Fp8Weight, QuantizedWeight, dequantize
 from tokenloom.testing import ConformanceError
 

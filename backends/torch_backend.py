@@ -25,10 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from tokenloom.backends.torch_linear import pack, step_linear
-from tokenloom.core.attention import AttentionInputs
+from tokenloom.core.attention import AttentionInputs, apply_rope
 from tokenloom.core.hookspecs import hookimpl
 from tokenloom.core.interfaces import DecodeModel
-from tokenloom.core.models.llama import apply_rope
 
 
 class TorchBackendOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -344,7 +343,7 @@ class TorchBackend:
         return out.view(kv_heads, B, group, D).transpose(0, 1).reshape(B, H, D)
 
     def rope(self, x, cos, sin):
-        """Rotate-half RoPE (the model's reference, ``apply_rope``); float32 cos/sin promote a
+        """Rotate-half RoPE (the reference, core/attention.py's ``apply_rope``); float32 cos/sin promote a
         bf16 ``x``: the same values as converting it first, without a copy op."""
         return apply_rope(x, cos, sin)
 

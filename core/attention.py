@@ -1,4 +1,5 @@
-"""Backend-neutral description of one step's attention work, built by the runner."""
+"""Backend-neutral description of one step's attention work, built by the runner, and the
+reference RoPE (:func:`apply_rope`) the backends implement and the conformance kit checks."""
 
 from __future__ import annotations
 
@@ -116,3 +117,12 @@ class StepBuffers:
             out.prefill_context_lens = self._vector("prefill_lens", lens)
             out.prefill_block_tables = self._table("prefill_tables", [s.block_table for s in spans], lens, bs)
         return out
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half (neox) form, as ``Backend.rope`` defines it: ``x [T, heads,
+    head_dim]`` in the weight dtype, ``cos``/``sin [T, 1, head_dim]`` float32, so the result is
+    float32 whatever ``x`` is."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

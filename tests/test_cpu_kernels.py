@@ -13,9 +13,8 @@ import torch
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.backends.torch_backend import TorchBackend, TorchBackendOptions
-from tokenloom.core.attention import AttentionInputs
+from tokenloom.core.attention import AttentionInputs, apply_rope
 from tokenloom.core.errors import ConfigError
-from tokenloom.core.models.llama import apply_rope
 from tokenloom.kernels import cpu_ops
 
 from conftest import tiny_engine_kwargs

@@ -15,6 +15,9 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+# apply_rope lives in core/attention.py (the model and the backends share it); kept importable here
+# for kernels/triton/rope.py, which still imports it from this module
+from tokenloom.core.attention import apply_rope as apply_rope
 from tokenloom.core.interfaces import CapturedStep, DecodeLayer, DecodeModel, Quantizer
 from tokenloom.core.models.config import ModelConfig
 from tokenloom.core.parallel import TensorParallel
@@ -34,14 +37,6 @@ def rope_cache(cfg: ModelConfig, max_len: int, device) -> tuple[torch.Tensor, to
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().float().to(device), emb.sin().float().to(device)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, head_dim] in the weight dtype; cos/sin: [T, 1, head_dim] float32, so the
-    # result is float32 whatever x is
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 class LlamaLayer(nn.Module):
