@@ -153,7 +153,8 @@ def exact_marginals(llm, prompt: list[int], params, depth: int) -> list[torch.Te
     """The exact law of each of the first ``depth`` generated tokens under ``params`` (the
     engine's own sampling rules, history-dependent penalties included), by enumerating every
     path (``vocab ** (depth - 1)`` prefills: keep the vocabulary tiny)."""
-    from tokenloom.plugins.decoders.verify import RowContext, target_probs
+    from tokenloom.core.sampler import SamplingRow
+    from tokenloom.plugins.decoders.verify import target_probs
 
     engine = llm.engine
     runner, cache = engine.executor, engine.cache
@@ -168,7 +169,7 @@ def exact_marginals(llm, prompt: list[int], params, depth: int) -> list[torch.Te
             logits = engine.call_in_step_thread(runner.prefill_logits, ids, cache.block_table(seq))[-1:]
         finally:
             cache.free(seq)
-        row = RowContext(params, list(ids), len(prompt), -1)
+        row = SamplingRow(params, list(ids), len(prompt), -1)
         return target_probs(engine.runner.sampler, logits.float(), [row])[0].double()
 
     marginals = []

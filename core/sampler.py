@@ -4,6 +4,10 @@ All rows are processed together; a seeded request draws its noise from its own
 ``torch.Generator``, so its output does not depend on what else is in the batch.
 Sampling uses the exponential-race form ``argmax(p / E)``, E ~ Exp(1), which draws
 exactly from ``p`` and lets each row use its own generator.
+
+Each row of logits comes with a :class:`SamplingRow`: what the sampler reads of the
+sequence behind it. A sequence's last token gives ``SamplingRow.of(seq)``; a row that
+verifies a draft gives ``SamplingRow.of(seq, drafts_before_it)`` (its penalties see them).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.core.sequence import Sequence
 
 
@@ -21,65 +26,91 @@ class TokenLogprob(NamedTuple):
     top: list[tuple[int, float]]  # the n most likely (token id, logprob), best first
 
 
+class SamplingRow(NamedTuple):
+    """What the sampler reads for one row of logits: the request's ``params``, the token
+    history its penalties look at (``token_ids``: prompt, output so far and, for a row that
+    verifies a draft, the drafts before it), where the prompt ends in it (the rest is output:
+    frequency and presence penalties), and the sequence's id (a seeded request draws from a
+    generator of its own, kept per ``seq_id``)."""
+
+    params: SamplingParams
+    token_ids: list[int]
+    num_prompt_tokens: int
+    seq_id: int
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @classmethod
+    def of(cls, seq: Sequence, drafts: list[int] | None = None) -> SamplingRow:
+        """``seq``'s row after ``drafts`` (none: its own tokens, not copied)."""
+        return cls(seq.params, seq.token_ids + drafts if drafts else seq.token_ids, seq.num_prompt_tokens, seq.seq_id)
+
+
 class Sampler:
     def __init__(self, seed: int = 0, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._seq_generators: dict[int, torch.Generator] = {}
 
-    def forget(self, seq: Sequence) -> None:
-        self._seq_generators.pop(seq.seq_id, None)
+    def forget(self, seq_id: int) -> None:
+        """The sequence ended: drop its generator (a seeded request's)."""
+        self._seq_generators.pop(seq_id, None)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
-        """logits: [B, V] float32, one row per sequence in ``seqs``."""
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits: [B, V] float32, one row per entry of ``rows``: a token for each, and its
+        logprobs where the request asked for them."""
         raw_logprobs = None
-        if any(s.params.logprobs is not None for s in seqs):
+        if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self.apply_penalties(logits, seqs)
+        logits = self.apply_penalties(logits, rows)
         tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
             idx = torch.tensor(random_rows, device=logits.device)
-            sub = [seqs[i] for i in random_rows]
+            sub = [rows[i] for i in random_rows]
             tokens[idx] = self._sample(logits[idx], sub)
         token_list = tokens.tolist()
-        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        logprobs: list[TokenLogprob | None] = [None] * len(rows)
         if raw_logprobs is not None:
-            for i, s in enumerate(seqs):
-                n = s.params.logprobs
+            for i, r in enumerate(rows):
+                n = r.params.logprobs
                 if n is None:
                     continue
-                row = raw_logprobs[i]
+                lp = raw_logprobs[i]
                 top = []
                 if n:
-                    vals, ids = row.topk(n)
+                    vals, ids = lp.topk(n)
                     top = list(zip(ids.tolist(), vals.tolist(), strict=True))
-                logprobs[i] = TokenLogprob(token_list[i], row[token_list[i]].item(), top)
+                logprobs[i] = TokenLogprob(token_list[i], lp[token_list[i]].item(), top)
         return token_list, logprobs
 
-    def apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0
-                or s.params.presence_penalty or s.params.frequency_penalty]
-        if not rows:
+    def apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Repetition, presence and frequency penalties, each row over its own history; the
+        same tensor back when no row has one."""
+        penalised = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0
+                     or r.params.presence_penalty or r.params.frequency_penalty]
+        if not penalised:
             return logits
         logits = logits.clone()
         V = logits.shape[-1]
-        for i in rows:
-            p = seqs[i].params
+        for i in penalised:
+            p = rows[i].params
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(seqs[i].token_ids)), dtype=torch.long, device=logits.device)
+                seen = torch.tensor(sorted(set(rows[i].token_ids)), dtype=torch.long, device=logits.device)
                 seen = seen[seen < V]
                 vals = logits[i, seen]
                 logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
             if p.presence_penalty or p.frequency_penalty:
-                out = torch.tensor(seqs[i].output_token_ids, dtype=torch.long, device=logits.device)
+                out = torch.tensor(rows[i].output_token_ids, dtype=torch.long, device=logits.device)
                 if out.numel():
                     counts = torch.bincount(out[out < V], minlength=V).to(logits.dtype)
                     logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
         return logits
 
-    def probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """The distribution each row's token is drawn from: [B, V], rows sum to 1.
 
         ``logits`` are already penalised (see ``apply_penalties``). Temperature, then top-k and
@@ -87,16 +118,16 @@ class Sampler:
         at the argmax, as ``__call__`` picks it. Public so tests can check every sampled token
         against the distribution it came from.
         """
-        greedy = [s.params.greedy for s in seqs]
+        greedy = [r.params.greedy for r in rows]
         # A greedy row is scaled by 1: its temperature may be 0 or too small to divide by.
-        temps = [1.0 if g else s.params.temperature for g, s in zip(greedy, seqs, strict=True)]
+        temps = [1.0 if g else r.params.temperature for g, r in zip(greedy, rows, strict=True)]
         scaled = logits / torch.tensor(temps, device=logits.device)[:, None]
-        top_k = [s.params.top_k for s in seqs]
-        top_p = [s.params.top_p for s in seqs]
+        top_k = [r.params.top_k for r in rows]
+        top_p = [r.params.top_p for r in rows]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
             scaled = _top_k_top_p(scaled, top_k, top_p)
         probs = torch.softmax(scaled, dim=-1)
-        min_p = [s.params.min_p for s in seqs]
+        min_p = [r.params.min_p for r in rows]
         if any(m > 0 for m in min_p):
             # thresh <= max in float32, so the most likely token always survives; a tiny min_p
             # rounds thresh to 0 and drops nothing.
@@ -108,23 +139,25 @@ class Sampler:
             probs = torch.where(torch.tensor(greedy, device=probs.device)[:, None], one_hot, probs)
         return probs
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        probs = self.probs(logits, seqs)
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        probs = self.probs(logits, rows)
         noise = torch.empty_like(probs)
-        for i, s in enumerate(seqs):
-            noise[i].exponential_(generator=self.generator_for(s))
+        for i, r in enumerate(rows):
+            noise[i].exponential_(generator=self.generator_for(r))
         # A zero draw would make 0/0 = nan, which argmax picks: clamp it to the smallest normal
         # float (a change of ~1e-38 in probability) so a token of probability 0 never wins.
         noise.clamp_min_(torch.finfo(noise.dtype).tiny)
         return (probs / noise).argmax(dim=-1)
 
-    def generator_for(self, seq: Sequence) -> torch.Generator:
-        if seq.params.seed is None:
+    def generator_for(self, row: SamplingRow) -> torch.Generator:
+        """The generator ``row``'s draws come from: the shared one, or for a seeded request
+        its own (one per ``seq_id``, kept until :meth:`forget`)."""
+        if row.params.seed is None:
             return self.generator
-        gen = self._seq_generators.get(seq.seq_id)
+        gen = self._seq_generators.get(row.seq_id)
         if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(seq.params.seed)
-            self._seq_generators[seq.seq_id] = gen
+            gen = torch.Generator(device=self.device).manual_seed(row.params.seed)
+            self._seq_generators[row.seq_id] = gen
         return gen
 
 

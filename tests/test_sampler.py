@@ -7,16 +7,16 @@ import math
 import pytest
 import torch
 
-from tokenloom.core.sampler import Sampler
+from tokenloom.core.sampler import Sampler, SamplingRow
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.core.sequence import Sequence
 
 
-def _seq(tokens=(1, 2, 3), n_prompt=None, **params):
+def _seq(tokens=(1, 2, 3), n_prompt=None, **params) -> SamplingRow:
     s = Sequence("r", list(tokens), SamplingParams(**params))
     if n_prompt is not None:
         s.num_prompt_tokens = n_prompt
-    return s
+    return SamplingRow.of(s)
 
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])

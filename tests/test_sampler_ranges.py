@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenloom.core.sampler import Sampler
+from tokenloom.core.sampler import Sampler, SamplingRow
 from tokenloom.core.sampling_params import (
     GREEDY_TEMPERATURE_EPS,
     MAX_REPETITION_PENALTY,
@@ -59,15 +59,16 @@ def test_every_accepted_value_samples_from_a_real_distribution(params, vocab, sc
     tokens = torch.randint(0, vocab, (1 + history,), generator=gen).tolist()
     seq = Sequence("r", tokens, params)
     seq.num_prompt_tokens = 1 + history // 2  # the rest is output: presence/frequency apply
+    row = SamplingRow.of(seq)
     sampler = Sampler(rng_seed)
 
-    penalised = sampler.apply_penalties(logits, [seq])
+    penalised = sampler.apply_penalties(logits, [row])
     assert torch.isfinite(penalised).all()
-    dist = sampler.probs(penalised, [seq])[0]
+    dist = sampler.probs(penalised, [row])[0]
     assert torch.isfinite(dist).all() and (dist >= 0).all()
     assert math.isclose(dist.sum().item(), 1.0, abs_tol=1e-4)
 
-    (token,), (lp,) = sampler(logits, [seq])
+    (token,), (lp,) = sampler(logits, [row])
     assert dist[token] > 0, f"token {token} has probability 0"
     greedy_like = params.greedy or params.top_k == 1 or torch.tensor(params.top_p).item() == 0.0
     if params.greedy:

@@ -65,6 +65,7 @@ class LossyPlugin:
             name = "lossy"
 
             def verify_drafts(self, forward, drafts, draft_probs, draft_parents=None):
+                from tokenloom.core.sampler import SamplingRow
                 from tokenloom.plugins.decoders.verify import row_contexts, target_probs
 
                 outs, at = [], 0
@@ -77,7 +78,7 @@ class LossyPlugin:
                             break
                         toks.append(tok)
                     row = p[len(toks)]
-                    gen = self.runner.sampler.generator_for(seq)
+                    gen = self.runner.sampler.generator_for(SamplingRow.of(seq))
                     nxt = int(row.argmax()) if seq.params.greedy else int(torch.multinomial(row, 1, generator=gen))
                     outs.append(SequenceOutput(toks + [nxt], num_accepted=len(toks), num_drafted=len(d)))
                 return outs

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from tokenloom.core.interfaces import SequenceOutput
-from tokenloom.core.sampler import Sampler, TokenLogprob
+from tokenloom.core.sampler import Sampler, SamplingRow, TokenLogprob
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.core.sequence import Sequence
 from tokenloom.plugins.decoders.verify import (
@@ -150,8 +150,7 @@ def _greedy_reference(logits: torch.Tensor, seq: Sequence, drafts: list[int]) ->
     emitted token; stops after the first token that differs from its draft."""
     sampler, out = Sampler(seed=0), []
     for j in range(len(drafts) + 1):
-        ctx = Sequence(seq.request_id, seq.token_ids + out, seq.params, num_prompt_tokens=seq.num_prompt_tokens)
-        (tok,), _ = sampler(logits[j:j + 1], [ctx])
+        (tok,), _ = sampler(logits[j:j + 1], [SamplingRow.of(seq, out)])
         out.append(tok)
         if j == len(drafts) or tok != drafts[j]:
             break
@@ -292,7 +291,7 @@ def test_verify_rows_without_drafts_take_the_sampler_path(seed):
     for _ in range(5):
         logits = torch.randn(5, V, generator=g)  # rows: a | b b b | c
         outs = verify(sampler, logits, [plain_a, spec_b, plain_c], [1, 3, 1], [[], [4, 7], []])
-        tokens, lps = reference(logits[[0, 4]], [ref_a, ref_c])
+        tokens, lps = reference(logits[[0, 4]], [SamplingRow.of(ref_a), SamplingRow.of(ref_c)])
         for out, tok, lp in zip((outs[0], outs[2]), tokens, lps, strict=True):
             assert isinstance(out, SequenceOutput)
             assert out.token_ids == [tok] and out.num_accepted == 0 and out.num_drafted == 0
@@ -353,7 +352,7 @@ def test_verify_penalties_see_the_drafts(penalty):
     assert out.token_ids == [5, 6, 7] and out.num_accepted == 2 and out.num_drafted == 3
     assert out.token_ids == _greedy_reference(logits, seq, drafts)
     # Without the drafts in the history, row 1 would have kept 5 (and rejected draft 6).
-    (stale,), _ = Sampler(seed=0)(logits[1:2], [_seq(params)])
+    (stale,), _ = Sampler(seed=0)(logits[1:2], [SamplingRow.of(_seq(params))])
     assert stale == 5
 
 
@@ -420,7 +419,7 @@ def test_verify_sampling_law():
     sampler = Sampler(seed=0)
     outs = verify(sampler, block.repeat(N, 1), seqs, [2] * N, drafts, [q] * N)
 
-    law = sampler.probs(block, [seqs[0], seqs[0]])
+    law = sampler.probs(block, [SamplingRow.of(seqs[0])] * 2)
     assert (law > 0).sum(-1).tolist() == [4, 4]
     _assert_law([o.token_ids[0] for o in outs], law[0], "first token via verify")
     assert all(o.num_drafted == 1 and len(o.token_ids) == o.num_accepted + 1 for o in outs)

@@ -201,7 +201,7 @@ class SharedStepDecoder:
     def release(self, seq: Sequence) -> None:
         seq.draft_token_ids, seq.draft_parents = [], None
         self._gain.pop(seq.seq_id, None)
-        self.runner.sampler.forget(seq)
+        self.runner.sampler.forget(seq.seq_id)
         for proposer in self._proposers.values():
             proposer.release_state(seq)
 

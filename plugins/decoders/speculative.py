@@ -29,10 +29,11 @@ from tokenloom.core.errors import ConfigError
 from tokenloom.core.hookspecs import hookimpl
 from tokenloom.core.interfaces import DecoderContext, DecoderOutput
 from tokenloom.core.runner import ForwardOutput
+from tokenloom.core.sampler import SamplingRow
 from tokenloom.core.sampling_params import MAX_SPECULATIVE_TOKENS
 from tokenloom.core.sequence import Batch, Sequence
 from tokenloom.plugins.decoders.base import SharedStepDecoder
-from tokenloom.plugins.decoders.verify import draw, row_contexts, target_probs
+from tokenloom.plugins.decoders.verify import draw, target_probs
 
 
 class SpeculativeOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -156,8 +157,7 @@ class SpeculativeDecoder(SharedStepDecoder):
             fwd = runner.forward(Batch(shadows, n, [cache.block_table(s) for s in shadows]))
             rows = torch.tensor([sum(fwd.num_rows[:i]) for i in range(len(live))], device=fwd.logits.device)
             logits = fwd.logits[rows]
-            ctx = [row_contexts(s, [])[0] for s in shadows]
-            q = target_probs(runner.sampler, logits, ctx)
+            q = target_probs(runner.sampler, logits, [SamplingRow.of(s) for s in shadows])
             still = []
             for i, (seq, st, k) in enumerate(live):
                 s = st.shadow

@@ -32,49 +32,29 @@ the tests to compare against.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from tokenloom.core.interfaces import SequenceOutput
-from tokenloom.core.sampler import Sampler, TokenLogprob
-from tokenloom.core.sampling_params import SamplingParams
+from tokenloom.core.sampler import Sampler, SamplingRow, TokenLogprob
 from tokenloom.core.sequence import Sequence
 
 
-@dataclass(eq=False, slots=True)
-class RowContext:
-    """A sequence as one verification row sees it: its tokens plus the drafts before the
-    row (penalties read them), the request's params and generator identity."""
-
-    params: SamplingParams
-    token_ids: list[int]
-    num_prompt_tokens: int
-    seq_id: int
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+def row_contexts(seq: Sequence, drafts: list[int]) -> list[SamplingRow]:
+    """The sampler's view of each verification row: row j has seen ``drafts[:j]``."""
+    return [SamplingRow.of(seq, drafts[:j]) for j in range(len(drafts) + 1)]
 
 
-def row_contexts(seq: Sequence, drafts: list[int]) -> list[RowContext]:
-    """One context per verification row: row j has seen ``drafts[:j]``."""
-    return [RowContext(seq.params, seq.token_ids + drafts[:j], seq.num_prompt_tokens, seq.seq_id)
-            for j in range(len(drafts) + 1)]
-
-
-def _contexts(seq: Sequence, drafts: list[int], parents: list[int] | None) -> list[RowContext]:
-    """Row contexts for a chain, or for a tree: node i's row has seen its own branch."""
+def _contexts(seq: Sequence, drafts: list[int], parents: list[int] | None) -> list[SamplingRow]:
+    """Rows for a chain, or for a tree: node i's row has seen its own branch."""
     if parents is None:
         return row_contexts(seq, drafts)
     branch: list[list[int]] = []
     for i, parent in enumerate(parents):
         branch.append((branch[parent] if parent >= 0 else []) + [drafts[i]])
-    return [RowContext(seq.params, seq.token_ids, seq.num_prompt_tokens, seq.seq_id)] + [
-        RowContext(seq.params, seq.token_ids + b, seq.num_prompt_tokens, seq.seq_id) for b in branch]
+    return [SamplingRow.of(seq)] + [SamplingRow.of(seq, b) for b in branch]
 
 
-def target_probs(sampler: Sampler, logits: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
+def target_probs(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """``[R, V]``: each row's sampling distribution, every sampling parameter applied."""
     return sampler.probs(sampler.apply_penalties(logits, rows), rows)
 
@@ -182,7 +162,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], num_row
             plain_logits = logits
         else:
             plain_logits = logits[torch.tensor([starts[i] for i in plain], device=logits.device)]
-        tokens, logprobs = sampler(plain_logits, [seqs[i] for i in plain])
+        tokens, logprobs = sampler(plain_logits, [SamplingRow.of(seqs[i]) for i in plain])
         for i, tok, lp in zip(plain, tokens, logprobs, strict=True):
             results[i] = SequenceOutput([tok], logprobs=[lp] if lp is not None else None)
 
@@ -200,7 +180,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], num_row
         for i in spec:
             seq, k = seqs[i], len(drafts[i])
             p = probs[at:at + k + 1]
-            gen = None if seq.params.greedy else sampler.generator_for(seq)
+            gen = None if seq.params.greedy else sampler.generator_for(contexts[at])
             q = draft_probs[i] if draft_probs is not None else None
             nodes = None
             if parents_of[i] is not None:
