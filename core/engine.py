@@ -26,6 +26,7 @@ from tokenloom.core.metrics import EngineCounters, StepStats, engine_stats
 from tokenloom.core.outputs import Finished, TokenDelta
 from tokenloom.core.plugins import PluginManager
 from tokenloom.core.requests import RequestState
+from tokenloom.core.sampler import TokenLogprob
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.core.sequence import Batch, Sequence, SequenceStatus
 
@@ -43,8 +44,8 @@ class AsyncEngine:
         # OpenMP threads than it has cores, idle ones stop spinning and sleep: each of a decode
         # step's ~1,000 small parallel regions then waits for a wake-up (measured here: a batch-1
         # step 10.4 ms when one thread ever ran torch, 21 ms when two did).
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenloom-step")
-        parts: EngineParts = self._executor.submit(build_engine_parts, config, self.pm, progress).result()
+        self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenloom-step")
+        parts: EngineParts = self._step_thread.submit(build_engine_parts, config, self.pm, progress).result()
         self.tokenizer, self.model_config = parts.tokenizer, parts.model_config
         self.model_name, self.max_model_len = parts.model_name, parts.max_model_len
         self.runner, self.cache, self.scheduler, self.decoder = parts.runner, parts.cache, parts.scheduler, parts.decoder
@@ -194,7 +195,7 @@ class AsyncEngine:
                     await asyncio.sleep(0.001)
                     continue
                 t0 = time.perf_counter()
-                step = loop.run_in_executor(self._executor, self.decoder.step, batch)
+                step = loop.run_in_executor(self._step_thread, self.decoder.step, batch)
                 self._publish()  # the previous step's outputs, while this one runs
                 out = await step
                 self._commit(batch, out, time.perf_counter() - t0)
@@ -311,10 +312,12 @@ class AsyncEngine:
         if self._observe_steps:  # full stats only for observers: a radix cache walks its tree
             cache_stats = self.cache.stats()
             self.pm.hook.step_finished(stats=StepStats(
-                c.steps, step_time * 1e3, self.scheduler.num_running, self.scheduler.num_waiting,
-                batch.num_batched_tokens, prefill_tokens, decode_seqs, generated, len(batch.preempted),
-                c.preemptions, cache_stats.usage, cache_stats.num_free_blocks, cache_stats.num_blocks,
-                cache_stats.hit_rate))
+                step=c.steps, step_time_ms=step_time * 1e3, num_running=self.scheduler.num_running,
+                num_waiting=self.scheduler.num_waiting, num_batched_tokens=batch.num_batched_tokens,
+                num_prefill_tokens=prefill_tokens, num_decode_seqs=decode_seqs, num_generated_tokens=generated,
+                num_preempted=len(batch.preempted), total_preemptions=c.preemptions, kv_usage=cache_stats.usage,
+                num_free_blocks=cache_stats.num_free_blocks, num_blocks=cache_stats.num_blocks,
+                prefix_hit_rate=cache_stats.hit_rate))
 
     def _publish(self) -> None:
         """Everything committed and not yet published reaches its stream: text, ids,
@@ -334,8 +337,7 @@ class AsyncEngine:
             for tok in item.token_ids[:len(item.token_ids) - (item.status is SequenceStatus.FINISHED_STOPPED)]:
                 req.detok.add(tok)
         req.timer.on_tokens(time.monotonic(), len(item.token_ids))
-        req.seq.new_logprobs = item.logprobs
-        req.emit(item.token_ids, final=item.status is not None)
+        req.emit(item.token_ids, item.logprobs, final=item.status is not None)
         if item.status is not None:
             self._finish(req, item.status)
 
@@ -378,14 +380,14 @@ class AsyncEngine:
     def call_in_step_thread(self, fn, *args, **kwargs):
         """Run ``fn`` on the engine's torch thread and wait for it (scoring, calibration).
         Not from a running event loop: it blocks until the step in flight, if any, is done."""
-        return self._executor.submit(fn, *args, **kwargs).result()
+        return self._step_thread.submit(fn, *args, **kwargs).result()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._executor.submit(self.executor.close).result()  # other ranks stop (tensor parallelism)
-        self._executor.shutdown(wait=True)
+        self._step_thread.submit(self.executor.close).result()  # other ranks stop (tensor parallelism)
+        self._step_thread.shutdown(wait=True)
         self._tokenize_executor.shutdown(wait=True)
 
 
@@ -395,7 +397,7 @@ class _Pending:
 
     req: RequestState
     token_ids: list[int]
-    logprobs: list | None
+    logprobs: list[TokenLogprob] | None  # one per token, when the request asked for them
     status: SequenceStatus | None
 
 

@@ -33,8 +33,10 @@ class RequestTimer:
                               num_draft_tokens=num_drafted, num_accepted_tokens=num_accepted)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class StepStats:
+    """One step, for the ``step_finished`` hook (built by keyword only: fields may be added)."""
+
     step: int
     step_time_ms: float
     num_running: int

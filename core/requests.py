@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from tokenloom.core.detokenizer import IncrementalDetokenizer
 from tokenloom.core.metrics import RequestTimer
 from tokenloom.core.outputs import Finished, Logprob, TokenDelta, TokenLogprobs, Usage
+from tokenloom.core.sampler import TokenLogprob
 from tokenloom.core.sequence import FINISH_REASONS, Sequence, SequenceStatus
 
 
@@ -36,14 +37,14 @@ class RequestState:
             return SequenceStatus.FINISHED_LENGTH
         return None
 
-    def emit(self, token_ids: list[int], final: bool) -> None:
-        """Queue this step's delta: text the detokenizer can release, ids, logprobs."""
+    def emit(self, token_ids: list[int], token_logprobs: list[TokenLogprob] | None, final: bool) -> None:
+        """Queue this step's delta: text the detokenizer can release, ids, and the step's
+        logprobs (one per token, when the request asked for them)."""
         text = self.detok.take_delta(final)
         logprobs = None
-        if self.seq.new_logprobs:
+        if token_logprobs:
             logprobs = [TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob,
-                                      top=[Logprob(t, v) for t, v in lp.top]) for lp in self.seq.new_logprobs]
-            self.seq.new_logprobs = None
+                                      top=[Logprob(t, v) for t, v in lp.top]) for lp in token_logprobs]
         if text or token_ids:
             self.queue.put_nowait(TokenDelta(request_id=self.seq.request_id, text=text,
                                              token_ids=token_ids, logprobs=logprobs))

@@ -58,8 +58,6 @@ class Sequence:
     num_preemptions: int = 0
     cache_salt: str | None = None
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
-    # Per-step outputs filled by the decoder, read by the engine.
-    new_logprobs: list | None = None
     # Tokens a decoder proposed after the last step, for the next step to verify (see Batch).
     draft_token_ids: list[int] = field(default_factory=list)
     # A tree of drafts instead of a chain: draft_parents[i] is the index of node i's parent
