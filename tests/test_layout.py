@@ -21,11 +21,7 @@ ROOT_MODULES = ("__init__.py", "testing.py")
 
 #: Violations in a folder this change could not edit, as "path: module import name". Each
 #: must still be there (the test fails once it is gone, so its entry goes too).
-KNOWN_PRIVATE_IMPORTS = {
-    # kernels/ (its owner renames these Triton helpers public, or moves them to common.py)
-    "kernels/triton/prefill_attention.py: tokenloom.kernels.triton.decode_attention import _load_kv_tile",
-    "kernels/triton/prefill_attention.py: tokenloom.kernels.triton.decode_attention import _pages",
-}
+KNOWN_PRIVATE_IMPORTS: set[str] = set()
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:

@@ -15,9 +15,6 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-# apply_rope lives in core/attention.py (the model and the backends share it); kept importable here
-# for kernels/triton/rope.py, which still imports it from this module
-from tokenloom.core.attention import apply_rope as apply_rope
 from tokenloom.core.interfaces import CapturedStep, DecodeLayer, DecodeModel, Quantizer
 from tokenloom.core.models.config import ModelConfig
 from tokenloom.core.parallel import TensorParallel

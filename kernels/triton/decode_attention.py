@@ -35,7 +35,7 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, pos, valid, kvh, d, d_mask, stride_kh, stride_kb,
+def load_kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, pos, valid, kvh, d, d_mask, stride_kh, stride_kb,
                   stride_kt, stride_vh, stride_vb, stride_vt, stride_sh, stride_sb, stride_st,
                   BLOCK_SIZE: tl.constexpr, KV_QUANT: tl.constexpr):
     """One tile of a sequence's K and V (token positions ``pos``, float32, dequantised when
@@ -100,7 +100,7 @@ def _paged_decode_attention_kernel(
     for tok in range(start, end, BLOCK_N):
         pos = tok + n
         valid = pos < end
-        k, v = _load_kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, block_tables_ptr + seq * stride_btb, pos, valid, kvh, d,
+        k, v = load_kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, block_tables_ptr + seq * stride_btb, pos, valid, kvh, d,
                              d_mask, stride_kh, stride_kb, stride_kt, stride_vh, stride_vb, stride_vt, stride_sh,
                              stride_sb, stride_st, BLOCK_SIZE, KV_QUANT)
         s = tl.dot(q, tl.trans(k.to(DOT)), input_precision="ieee") * qk_scale  # [GROUP_PAD, BLOCK_N]
@@ -242,15 +242,15 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     for b in range(B):
         n = int(context_lens[b])
         pages = block_tables[b, :(n + BS - 1) // BS].long()
-        k = _pages(k_cache, k_scale, pages)[:, :n]  # [KVH, n, D]
-        v = _pages(v_cache, v_scale, pages)[:, :n]
+        k = gather_pages(k_cache, k_scale, pages)[:, :n]  # [KVH, n, D]
+        v = gather_pages(v_cache, v_scale, pages)[:, :n]
         qb = q[b].float().view(KVH, H // KVH, D)
         p = torch.softmax(qb @ k.transpose(1, 2) * scale, dim=-1)
         result[b] = (p @ v).reshape(H, D).to(q.dtype)
     return result
 
 
-def _pages(cache: torch.Tensor, scale: torch.Tensor | None, pages: torch.Tensor) -> torch.Tensor:
+def gather_pages(cache: torch.Tensor, scale: torch.Tensor | None, pages: torch.Tensor) -> torch.Tensor:
     """float32 [KVH, len(pages) * BS, D] of ``pages``, dequantised with ``scale`` if given."""
     KVH, _, BS, D = cache.shape
     x = cache.index_select(1, pages).float()

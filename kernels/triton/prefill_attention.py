@@ -26,7 +26,7 @@ from .common import (
     dot_dtype,
     next_pow2,
 )
-from .decode_attention import LOG2E, _load_kv_tile, _pages
+from .decode_attention import LOG2E, gather_pages, load_kv_tile
 
 
 @triton.jit
@@ -72,7 +72,7 @@ def _paged_prefill_attention_kernel(
     for tok in range(0, kv_end, BLOCK_N):
         pos = tok + n
         valid = pos < kv_end
-        k, v = _load_kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, block_tables_ptr + seq * stride_btb, pos, valid, kvh, d,
+        k, v = load_kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, block_tables_ptr + seq * stride_btb, pos, valid, kvh, d,
                              d_mask, stride_kh, stride_kb, stride_kt, stride_vh, stride_vb, stride_vt, stride_sh,
                              stride_sb, stride_st, BLOCK_SIZE, KV_QUANT)
         s = tl.dot(q, tl.trans(k.to(DOT)), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
@@ -158,8 +158,8 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     for s in range(block_tables.shape[0]):
         n, start, q_len = int(context_lens[s]), int(query_start[s]), int(query_lens[s])
         pages = block_tables[s, :(n + BS - 1) // BS].long()
-        k = _pages(k_cache, k_scale, pages)[:, :n].repeat_interleave(H // KVH, dim=0)  # [H, n, D]
-        v = _pages(v_cache, v_scale, pages)[:, :n].repeat_interleave(H // KVH, dim=0)
+        k = gather_pages(k_cache, k_scale, pages)[:, :n].repeat_interleave(H // KVH, dim=0)  # [H, n, D]
+        v = gather_pages(v_cache, v_scale, pages)[:, :n].repeat_interleave(H // KVH, dim=0)
         qs = q[start:start + q_len].float().transpose(0, 1)  # [H, q_len, D]
         visible = torch.arange(n)[None, :] <= torch.arange(q_len)[:, None] + (n - q_len)
         scores = (qs @ k.transpose(1, 2) * scale).masked_fill(~visible.to(q.device), float("-inf"))

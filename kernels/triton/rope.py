@@ -1,4 +1,4 @@
-"""RoPE, neox-style rotate-half as core/models/llama.py's ``apply_rope``:
+"""RoPE, neox-style rotate-half as core/attention.py's ``apply_rope``:
 ``out = x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]`` for the
 halves ``x1 = x[..., :D/2]``, ``x2 = x[..., D/2:]``, computed in float32.
 
@@ -72,8 +72,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch
 
 
 def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """llama's ``apply_rope``, cast to ``out_dtype``."""
-    from tokenloom.core.models.llama import apply_rope
+    """core/attention.py's ``apply_rope``, cast to ``out_dtype``."""
+    from tokenloom.core.attention import apply_rope
 
     T, _, D = x.shape
     return apply_rope(x, cos.reshape(T, 1, D), sin.reshape(T, 1, D)).to(out_dtype)
