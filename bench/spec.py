@@ -73,7 +73,9 @@ def run_spec(args, flags: dict, pm: PluginManager) -> dict:
 
     decoders = ["standard"] + [d for d in args.decoders.split(",") if d and d != "standard"]
     tasks = task_messages()
-    llm = LLM(config_file=args.config, flags=merge_layers(flags, {"scheduler": {"max_num_seqs": 1}}), plugin_manager=pm)
+    # every compared decoder is built at start-up (one that loads a draft model only when enabled)
+    llm = LLM(config_file=args.config, plugin_manager=pm,
+              flags=merge_layers(flags, {"scheduler": {"max_num_seqs": 1}, "enable_decoders": decoders[1:]}))
     rows = []
     try:
         llm.generate(["warm up"], SamplingParams(temperature=0, max_tokens=8))

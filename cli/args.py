@@ -25,6 +25,7 @@ ENGINE_FLAGS = {
     "scheduler": "scheduler.name",
     "cache_manager": "cache_manager.name",
     "decoder": "decoder.name",
+    "enable_decoder": "enable_decoders",
     "backend": "backend.name",
     "quantizer": "quantizer.name",
     "kv_cache_dtype": "kv_cache_dtype",
@@ -52,6 +53,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduler", help="continuous, static, ...")
     g.add_argument("--cache-manager", help="paged, contiguous, ...")
     g.add_argument("--decoder", help="standard, ...")
+    g.add_argument("--enable-decoder", action="append", metavar="NAME",
+                   help="load a decoder that needs a second model (speculative) at start-up, so that "
+                        "requests may name it (repeatable)")
     g.add_argument("--backend", help="torch, ...")
     g.add_argument("--quantizer", help="gguf, none, int8, rtn, fp8, gptq, awq (default: what the checkpoint says)")
     g.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "int8"], help="KV cache storage (auto: the dtype)")

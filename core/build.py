@@ -41,6 +41,7 @@ from tokenloom.core.parallel import TensorParallel
 from tokenloom.core.plugins import PluginManager
 from tokenloom.core.runner import ModelRunner, load_checkpoint, pick_device, pick_dtype
 from tokenloom.core.tokenizer import Tokenizer
+from tokenloom.core.utils import resident_bytes
 
 log = structlog.get_logger("tokenloom.build")
 
@@ -75,6 +76,7 @@ class SecondModel:
     cache: CacheManager
     tokenizer: Tokenizer
     name: str
+    resident_bytes: int = 0  # how much the process's resident memory grew while it loaded
 
 
 #: the registered cache manager a second model's pool gets (with prefix caching off)
@@ -111,6 +113,7 @@ def load_second_model(config: EngineConfig, pm: PluginManager, backend, device, 
     layer-truncated draft of the same model). Call it on the step thread (a decoder's
     constructor is)."""
     e = config.engine
+    before = resident_bytes()
     torch_dtype = pick_dtype(dtype, device)
     ckpt = load_checkpoint(resolve_model_path(model or e.model), contracts.model_formats(pm), torch_dtype)
     if num_layers is not None:
@@ -127,7 +130,9 @@ def load_second_model(config: EngineConfig, pm: PluginManager, backend, device, 
                          block_size=e.block_size, max_model_len=max_len, seed=e.seed + 1, capture=e.capture)
     runner.allocate_kv_cache(num_kv_blocks)
     cache = cache_without_prefix_caching(pm, SECOND_MODEL_CACHE_MANAGER, num_kv_blocks, e.block_size)
-    return SecondModel(runner, cache, ckpt.tokenizer, ckpt.name)
+    grown = max(0, resident_bytes() - before)
+    log.info("second_model_loaded", model=ckpt.name, num_kv_blocks=num_kv_blocks, resident_bytes=grown)
+    return SecondModel(runner, cache, ckpt.tokenizer, ckpt.name, grown)
 
 
 @dataclass(slots=True)
@@ -224,6 +229,22 @@ def _start_executor(config: EngineConfig, pm: PluginManager, device, threads: in
                                      threads_before=before), tp
 
 
+def per_request_decoders(config: EngineConfig, pm: PluginManager) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The decoders a request may name besides the engine's own (built at start-up), and those
+    it may not, with the reason: one that loads a second model unless ``enable_decoders``
+    lists it. Raises ConfigError for a listed name that is no registered decoder."""
+    entries = pm.entries("decoder")
+    enabled = config.engine.enable_decoders
+    for name in enabled:
+        pm.get("decoder", name)  # UnknownPluginError (a ConfigError) naming the known ones
+    own = config.decoder.name
+    allowed = tuple(n for n, entry in entries.items() if n != own and (not entry.loads_model or n in enabled))
+    disabled = {n: (f"it loads a second model and this server did not enable it at start-up "
+                    f"(--enable-decoder {n}, or enable_decoders = [\"{n}\"] in the config)")
+                for n, entry in entries.items() if n != own and entry.loads_model and n not in enabled}
+    return allowed, disabled
+
+
 def build_engine_parts(config: EngineConfig, pm: PluginManager, progress=None) -> EngineParts:
     e = config.engine
     threads = e.num_threads or env.num_threads()
@@ -250,9 +271,11 @@ def _build_rest(config: EngineConfig, pm: PluginManager, loaded: LoadedRunner, e
                                           config.cache_manager.options, num_blocks, e.block_size)
     scheduler: Scheduler = contracts.build(pm.get("scheduler", config.scheduler.name), config.scheduler.options,
                                            cache, config)
+    per_request, disabled = per_request_decoders(config, pm)
     context = DecoderContext(config=config, plugin_manager=pm, model_config=mcfg, cache=cache, runner=runner,
                              load_model=lambda **kw: load_second_model(config, pm, backend, device, **kw),
-                             model_name=name, executor=executor)
+                             model_name=name, executor=executor, per_request_decoders=per_request,
+                             disabled_decoders=disabled)
     decoder: Decoder = contracts.build(pm.get("decoder", config.decoder.name), config.decoder.options, context)
     log.info("engine_built", model=name, format=loaded.format, quantization=loaded.quantization, device=str(device),
              dtype=str(dtype), num_kv_blocks=num_blocks, block_size=e.block_size, max_model_len=loaded.max_model_len,

@@ -49,6 +49,9 @@ class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_model_len: int = 0  # 0 = the model's own context length
     block_size: int = 16  # tokens per KV block, shared by every cache manager
     kv_cache_memory_mb: int = 1024  # KV pool budget; ignored when num_kv_blocks > 0
+    # decoders that load a second model (``speculative``'s draft), built at start-up so that a
+    # request may name them (SamplingParams.decoder); the others are always built at start-up
+    enable_decoders: list[str] = msgspec.field(default_factory=list)
     num_kv_blocks: int = 0
     # KV pool storage: auto (the model dtype) | fp8 (float8_e4m3fn) | int8; the 8-bit ones keep a
     # bfloat16 scale per token per head beside the data and hold ~2x the tokens of bf16 in the same memory

@@ -37,9 +37,12 @@ class Register(Protocol):
 
     def __call__(self, name: str, factory: Callable[..., Any], *, options: type[msgspec.Struct] | None = None,
                  requires: Mapping[str, Iterable[str]] | None = None,
-                 conflicts: Mapping[str, Iterable[str]] | None = None, description: str = "") -> None:
+                 conflicts: Mapping[str, Iterable[str]] | None = None, description: str = "",
+                 loads_model: bool = False) -> None:
         """``factory``'s arguments depend on the role (see each hook); Any: it returns the
-        role's object, checked against the role's Protocol at start-up."""
+        role's object, checked against the role's Protocol at start-up. ``loads_model``
+        (decoders): the strategy loads a second model, so it is built only when it is the
+        engine's decoder or listed in ``enable_decoders``."""
 
 
 @hookspec
@@ -100,7 +103,10 @@ def register_decoders(register: Register) -> None:
         checkpoint with its own KV pool, the model's name), returns a
         :class:`tokenloom.core.interfaces.Decoder`. A decoder that subclasses
         ``tokenloom.plugins.decoders.base.SharedStepDecoder`` only proposes drafts (the shared
-        step verifies them exactly) and can be chosen per request (``params.decoder``);
+        step verifies them exactly) and can be chosen per request (``params.decoder``): the
+        engine's decoder builds every such decoder at start-up (``DecoderContext.
+        per_request_decoders``), never inside a step. Register one that loads a second model
+        with ``loads_model=True``: it is built only where ``enable_decoders`` lists it.
         ``tokenloom.testing.check_decoder`` is the conformance kit for it.
     :returns: nothing; results are ignored.
     """

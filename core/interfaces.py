@@ -3,8 +3,8 @@ directly; pluggy is only used at start-up to find the factories that build them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -261,6 +261,12 @@ class DecoderContext:
     # how steps reach the runner(s): world_size > 1 under tensor parallelism, where
     # ``runner`` holds rank 0's share only. None: the runner alone (a UniprocExecutor over it)
     executor: Executor | None = None
+    # the decoders a request may name besides this one, for the engine's decoder to build now
+    # (at start-up, on the step thread), and those it may not, with the reason (a decoder that
+    # loads a second model and is not in ``enable_decoders``). A decoder built as another's
+    # per-request proposer gets both empty.
+    per_request_decoders: tuple[str, ...] = ()
+    disabled_decoders: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -302,8 +308,8 @@ class Decoder(Protocol):
     def stats(self) -> dict[str, float]:
         """Counters for ``engine.stats()`` (speculation: drafted, accepted, ...); {} if none."""
 
-    #: decoder names a request asked for that could not be built here, with the reason: the
-    #: engine refuses requests naming them (their first requests decoded plainly)
+    #: decoder names a request may not ask for here, with the reason (not enabled, or it could
+    #: not be built at start-up): the engine refuses requests naming them
     unavailable: dict[str, str]
 
 

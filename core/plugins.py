@@ -65,6 +65,9 @@ class PluginEntry:
     requires: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     conflicts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     description: str = ""
+    # a decoder that loads a second model (a draft): built at start-up only when the engine's
+    # decoder or listed in ``enable_decoders``, so that no request can make a server load one
+    loads_model: bool = False
 
 
 class PluginManager:
@@ -137,7 +140,7 @@ class PluginManager:
                 package = self._package_of.get(source, "?")
 
                 def register(name, factory, *, options=None, requires=None, conflicts=None,
-                             description="", _role=role, _source=source, _package=package):
+                             description="", loads_model=False, _role=role, _source=source, _package=package):
                     if name in out[_role]:
                         prev = out[_role][name]
                         raise ConfigError(
@@ -148,6 +151,7 @@ class PluginManager:
                         {k: tuple(v) for k, v in (requires or {}).items()},
                         {k: tuple(v) for k, v in (conflicts or {}).items()},
                         description or (factory.__doc__ or "").strip().split("\n")[0],
+                        bool(loads_model),
                     )
 
                 impl.function(register=register)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tokenloom.core.errors import ClientError
+from tokenloom.core.errors import ClientError, ConfigError
 from tokenloom.core.hookspecs import hookimpl
 from tokenloom.core.interfaces import SequenceOutput
 from tokenloom.core.sampling_params import SamplingParams
@@ -115,7 +115,8 @@ def test_mixed_batch_gives_each_request_its_tokens_alone(make_llm):
                              num_speculative_tokens=3, repetition_penalty=1.2, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=5, max_tokens=24, decoder="speculative", ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=24, decoder="speculative", ignore_eos=True)]
-    llm = make_llm(decoder={"name": "standard"})
+    llm = make_llm(decoder={"name": "standard"}, enable_decoders=["speculative"])
+    assert llm.engine.stats()["decoder_speculative_model_bytes"] > 0  # loaded at start-up, counted
     together = llm.generate(prompts, params)
     for prompt, p, out in zip(prompts, params, together, strict=True):
         alone = llm.generate([prompt], p)[0]
@@ -528,19 +529,36 @@ def test_static_scheduler_with_a_draft_tree_near_max_tokens(make_llm, tmp_path):
 
 
 def test_a_decoder_that_cannot_be_built_fails_no_request(make_llm, tmp_path, monkeypatch):
-    """Medusa named by a request with no heads anywhere: that request decodes plainly (the
-    same tokens), the batch around it is untouched, and later requests naming it are refused."""
+    """Medusa with no heads anywhere: the engine starts (the decoders a request may name are
+    built at start-up), requests naming medusa are refused saying why, and the rest run."""
     monkeypatch.setenv("TOKENLOOM_CACHE", str(tmp_path))  # no trained heads here
     llm = make_llm()
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    want = [o.token_ids for o in llm.generate(["one", "two"], params)]
-    outs = llm.generate(["one", "two"], [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                                                        decoder="medusa"), params])
-    assert [o.finish_reason for o in outs] == ["length", "length"]
-    assert [o.token_ids for o in outs] == want
+    assert "medusa" in llm.engine.decoder.unavailable
     with pytest.raises(ClientError) as info:
         llm.generate(["three"], SamplingParams(decoder="medusa"))
     assert info.value.param == "decoder" and "train-medusa" in str(info.value)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert all(o.finish_reason == "length" for o in llm.generate(["one", "two"], params))
+    assert llm.engine.cache.stats().num_used_blocks == 0
+
+
+def test_a_decoder_that_loads_a_model_is_built_only_when_enabled(make_llm):
+    """`speculative` loads a draft model: a request cannot make the server load one. Not
+    enabled, requests naming it are refused naming the flag; enabled, it is loaded at
+    start-up (the step thread never loads a model) and its memory is in the stats."""
+    llm = make_llm()
+    assert "decoder_speculative_model_bytes" not in llm.engine.stats()
+    with pytest.raises(ClientError) as info:
+        llm.generate(["one"], SamplingParams(decoder="speculative", max_tokens=4))
+    assert info.value.param == "decoder" and "--enable-decoder speculative" in str(info.value)
+    with pytest.raises(ConfigError, match="no-such"):
+        make_llm(enable_decoders=["no-such"])
+    enabled = make_llm(enable_decoders=["speculative"], decoder={"name": "standard"})
+    proposer = enabled.engine.decoder._proposers["speculative"]
+    assert proposer.draft.runner is not enabled.engine.runner
+    out = enabled.generate(["one two"], SamplingParams(decoder="speculative", temperature=0, max_tokens=8,
+                                                       ignore_eos=True))[0]
+    assert out.metrics.num_draft_tokens > 0
 
 
 def test_medusa_draft_vocabulary(make_llm, tiny_model_dir, tmp_path, monkeypatch):

@@ -129,7 +129,7 @@ def test_two_gloo_ranks_give_one_ranks_greedy_tokens(model, tiny_model_dir, tmp_
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, decoder=d) for d in decoders]
     outs = {}
     for tp in (1, 2):
-        llm = LLM(**tiny_engine_kwargs(path, tensor_parallel_size=tp,
+        llm = LLM(**tiny_engine_kwargs(path, tensor_parallel_size=tp, enable_decoders=["speculative"],
                                        scheduler={"name": "continuous", "max_num_batched_tokens": 32}))
         try:
             assert llm.engine.executor.world_size == tp

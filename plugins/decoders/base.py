@@ -21,6 +21,7 @@ does the scheduler dropping drafts for want of token budget or KV blocks.)
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 import structlog
@@ -59,7 +60,8 @@ class SharedStepDecoder:
         self._counters: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(
             ("steps", "drafting_steps", "drafted", "accepted", "emitted", "skipped", "paused"), 0))
         self._gain: dict[int, list] = {}
-        self.unavailable: dict[str, str] = {}  # decoder name -> why it could not be built
+        self.unavailable: dict[str, str] = dict(context.disabled_decoders)  # name -> why a request may not name it
+        self._build_proposers(context.per_request_decoders)
 
     # ---- what a subclass changes ----------------------------------------------------
     def propose(self, seqs: list[Sequence], outputs: DecoderOutput, forward: ForwardOutput) -> None:
@@ -110,27 +112,30 @@ class SharedStepDecoder:
         if src:
             self.executor.move_kv_slots(src, dst)
 
-    # ---- the shared step ------------------------------------------------------------
-    def proposer_for(self, seq: Sequence) -> SharedStepDecoder:
-        """The request's decoder, built on first use with its default options. One that
-        cannot be built (Medusa without heads, a decoder with its own step) is recorded in
-        :attr:`unavailable` and its requests decode plainly with this decoder — their output
-        is the same, only slower — while the engine refuses later requests naming it."""
-        name = seq.params.decoder or self.name
-        proposer = self._proposers.get(name)
-        if proposer is None:
-            if name in self.unavailable:
-                return self
+    def _build_proposers(self, names: tuple[str, ...]) -> None:
+        """Build, with their default options, the decoders a request may name (at start-up, on
+        the step thread: a draft model is never loaded inside a step). One that cannot be
+        built (Medusa without heads, a decoder with its own step) is recorded in
+        :attr:`unavailable` with the reason, and the engine refuses requests naming it."""
+        quiet = dataclasses.replace(self.context, per_request_decoders=(), disabled_decoders={})
+        for name in names:
+            if name in self._proposers:
+                continue
             try:
-                built = self.context.plugin_manager.get("decoder", name).factory(None, self.context)
+                built = self.context.plugin_manager.get("decoder", name).factory(None, quiet)
                 if not isinstance(built, SharedStepDecoder):
                     raise TypeError(f"decoder {name!r} cannot be chosen per request: it does not share the step")
-            except Exception as exc:  # noqa: BLE001 - one request's choice must not fail the step
+            except Exception as exc:  # noqa: BLE001 - one decoder that cannot be built must not stop the engine
                 self.unavailable[name] = f"{type(exc).__name__}: {exc}"
-                log.warning("decoder_unavailable", decoder=name, error=self.unavailable[name])
-                return self
-            proposer = self._proposers[name] = built
-        return proposer
+                log.info("decoder_unavailable", decoder=name, reason=self.unavailable[name])
+                continue
+            self._proposers[name] = built
+
+    # ---- the shared step ------------------------------------------------------------
+    def proposer_for(self, seq: Sequence) -> SharedStepDecoder:
+        """The request's decoder (built at start-up). A name it does not hold (the engine
+        refuses those at submit) decodes plainly with this decoder: the same output, slower."""
+        return self._proposers.get(seq.params.decoder or self.name, self)
 
     def step(self, batch: Batch) -> DecoderOutput:
         proposers = {seq: self.proposer_for(seq) for seq in batch.seqs}
@@ -208,11 +213,19 @@ class SharedStepDecoder:
     def release_state(self, seq: Sequence) -> None:
         """Drop what this decoder keeps per sequence (a draft model's KV, ...)."""
 
+    def model_bytes(self) -> int:
+        """Resident memory of the models this decoder loaded beside the target (a draft); 0: none."""
+        return 0
+
     def stats(self) -> dict[str, float]:
         """Per decoder name, counted per sequence-step: steps, drafting_steps (steps that
         verified drafts), drafted, accepted, emitted, skipped (proposals switched off by batch
-        size), paused (by a sequence's low acceptance), acceptance rate and mean tokens per step."""
+        size), paused (by a sequence's low acceptance), acceptance rate and mean tokens per step;
+        and ``<name>_model_bytes`` for each decoder built here that loaded a model of its own."""
         out: dict[str, float] = {}
+        for name, proposer in sorted(self._proposers.items()):
+            if proposer.model_bytes():
+                out[f"{name}_model_bytes"] = proposer.model_bytes()
         for name, c in sorted(self._counters.items()):
             for key, value in c.items():
                 out[f"{name}_{key}"] = value

@@ -79,6 +79,9 @@ class SpeculativeDecoder(SharedStepDecoder):
         self._states: dict[int, _DraftState] = {}
 
     # ---- per sequence -----------------------------------------------------------------
+    def model_bytes(self) -> int:
+        return self.draft.resident_bytes
+
     def _state(self, seq: Sequence) -> _DraftState:
         st = self._states.get(seq.seq_id)
         if st is None:
@@ -177,6 +180,6 @@ class SpeculativeDecoder(SharedStepDecoder):
 
 @hookimpl
 def register_decoders(register):
-    register("speculative", SpeculativeDecoder, options=SpeculativeOptions,
+    register("speculative", SpeculativeDecoder, options=SpeculativeOptions, loads_model=True,
              description="a draft model (default: this model, 4-bit) proposes K tokens, verified exactly")
 

@@ -27,6 +27,9 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         flag = "--" + dest.replace("_", "-")
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            for item in value:
+                out += [flag, str(item)]
         elif value is not None:
             out += [flag, str(value)]
     for item in getattr(args, "set", []) or []:
