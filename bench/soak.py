@@ -44,7 +44,13 @@ def _get(url: str, path: str, api_key: str | None) -> tuple[int, bytes]:
 
 
 def _health(url: str, api_key: str | None) -> dict:
-    return json.loads(_get(url, "/health", api_key)[1])
+    """The server's /health body; a refusal that is not JSON (a connection cap's plain 503)
+    becomes ``{"status": "HTTP <code>"}`` so that a sample under overload does not end the soak."""
+    status, body = _get(url, "/health", api_key)
+    try:
+        return json.loads(body)
+    except ValueError:
+        return {"status": f"HTTP {status}"}
 
 
 def _ended(url: str, api_key: str | None) -> Counter | None:

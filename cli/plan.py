@@ -31,6 +31,9 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--block-size", type=int)
     p.add_argument("--max-num-seqs", type=int, help="scheduler.max_num_seqs (logits rows)")
     p.add_argument("--max-num-batched-tokens", type=int, help="scheduler.max_num_batched_tokens (the largest step)")
+    p.add_argument("--draft-model", metavar="MODEL",
+                   help="count a draft model loaded beside it (--enable-decoder speculative): its weights and "
+                        "KV pool; 'same' for the model itself (speculative's default draft)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
 
@@ -47,7 +50,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
             path = resolve_model_path(args.model)
         except ConfigError as exc:
             raise ClientError(str(exc), param="model") from None
-        result = plan(read_checkpoint(path), opts)
+        draft = None
+        if args.draft_model:
+            try:
+                draft = read_checkpoint(path if args.draft_model == "same" else resolve_model_path(args.draft_model))
+            except ConfigError as exc:
+                raise ClientError(str(exc), param="draft_model") from None
+        result = plan(read_checkpoint(path), opts, draft)
     except ClientError as exc:  # name the flag: "context must be >= 1" -> "--context must be >= 1"
         param = exc.param or "model"
         message = str(exc)
@@ -103,8 +112,12 @@ def render(p) -> str:
         f"  total        {size(oh.total):>11}",
         "",
     ]
+    if p.draft_model is not None:
+        lines.append(f"draft model {p.draft_model}: {size(p.draft_bytes)} (its weights and its own KV pool), "
+                     f"loaded at start-up")
     if p.kv_budget_source == "memory":
-        lines.append(f"KV pool: --memory {size(p.memory_bytes)} - weights {size(p.weight_bytes)} - overhead "
+        lines.append(f"KV pool: --memory {size(p.memory_bytes)} - weights {size(p.weight_bytes)} - "
+                     f"{f'draft {size(p.draft_bytes)} - ' if p.draft_model is not None else ''}overhead "
                      f"{size(oh.total)} = {p.kv_cache_memory_mb} MiB (run the engine with --kv-cache-memory-mb "
                      f"{p.kv_cache_memory_mb})")
     else:

@@ -41,7 +41,7 @@ from tokenloom.core.parallel import TensorParallel
 from tokenloom.core.plugins import PluginManager
 from tokenloom.core.runner import ModelRunner, load_checkpoint, pick_device, pick_dtype
 from tokenloom.core.tokenizer import Tokenizer
-from tokenloom.core.utils import resident_bytes
+from tokenloom.core.utils import tensor_bytes
 
 log = structlog.get_logger("tokenloom.build")
 
@@ -76,7 +76,7 @@ class SecondModel:
     cache: CacheManager
     tokenizer: Tokenizer
     name: str
-    resident_bytes: int = 0  # how much the process's resident memory grew while it loaded
+    memory_bytes: int = 0  # its tensors: weights and KV pool (core.utils.tensor_bytes)
 
 
 #: the registered cache manager a second model's pool gets (with prefix caching off)
@@ -113,7 +113,6 @@ def load_second_model(config: EngineConfig, pm: PluginManager, backend, device, 
     layer-truncated draft of the same model). Call it on the step thread (a decoder's
     constructor is)."""
     e = config.engine
-    before = resident_bytes()
     torch_dtype = pick_dtype(dtype, device)
     ckpt = load_checkpoint(resolve_model_path(model or e.model), contracts.model_formats(pm), torch_dtype)
     if num_layers is not None:
@@ -130,9 +129,9 @@ def load_second_model(config: EngineConfig, pm: PluginManager, backend, device, 
                          block_size=e.block_size, max_model_len=max_len, seed=e.seed + 1, capture=e.capture)
     runner.allocate_kv_cache(num_kv_blocks)
     cache = cache_without_prefix_caching(pm, SECOND_MODEL_CACHE_MANAGER, num_kv_blocks, e.block_size)
-    grown = max(0, resident_bytes() - before)
-    log.info("second_model_loaded", model=ckpt.name, num_kv_blocks=num_kv_blocks, resident_bytes=grown)
-    return SecondModel(runner, cache, ckpt.tokenizer, ckpt.name, grown)
+    held = tensor_bytes(runner.model, runner.kv_caches)
+    log.info("second_model_loaded", model=ckpt.name, num_kv_blocks=num_kv_blocks, memory_bytes=held)
+    return SecondModel(runner, cache, ckpt.tokenizer, ckpt.name, held)
 
 
 @dataclass(slots=True)

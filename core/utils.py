@@ -8,12 +8,33 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def resident_bytes() -> int:
-    """This process's resident memory now, in bytes (Linux ``/proc/self/statm``; 0 elsewhere)."""
-    import resource
+def tensor_bytes(*roots: object) -> int:
+    """Bytes of the distinct tensor storages reachable from ``roots``: modules (their
+    parameters, buffers and attributes), lists, tuples, dicts, and objects' attributes (packed
+    weights hold their tensors there). Each storage is counted once, however many views of it."""
+    import torch
 
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize()
-    except OSError:
-        return 0
+    seen_objects: set[int] = set()
+    storages: dict[int, int] = {}
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen_objects or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+            continue
+        seen_objects.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            stack.extend(obj)
+        elif isinstance(obj, torch.nn.Module):
+            stack.extend(obj.parameters(recurse=False))
+            stack.extend(obj.buffers(recurse=False))
+            stack.extend(obj.children())
+            stack.extend(v for k, v in vars(obj).items() if not k.startswith("_"))
+        elif type(obj).__module__.startswith("tokenloom."):
+            fields = getattr(obj, "__dict__", None) or {s: getattr(obj, s, None) for s in getattr(type(obj), "__slots__", ())}
+            stack.extend(fields.values())
+    return sum(storages.values())

@@ -25,6 +25,7 @@ from tokenloom.planner.weights import (
     num_params,
     weight_rows,
 )
+from tokenloom.plugins.decoders.speculative import SpeculativeOptions
 from tokenloom.plugins.schedulers.continuous import ContinuousOptions
 
 __all__ = ["FORMATS", "KNOWN_QUANTIZERS", "CheckpointInfo", "GGUFTensorInfo", "MemoryPlan", "Overhead",
@@ -34,7 +35,7 @@ MiB, GiB = 1 << 20, 1 << 30
 #: A fixed allowance for the runtime itself: the CUDA context and allocator slack on a GPU,
 #: the interpreter and torch's own resident memory on a CPU. A round estimate, not measured.
 RUNTIME_OVERHEAD_BYTES = 512 * MiB
-_ENGINE, _SCHEDULER = EngineOptions(), ContinuousOptions()  # the engine's defaults
+_ENGINE, _SCHEDULER, _DRAFT = EngineOptions(), ContinuousOptions(), SpeculativeOptions()  # the defaults
 
 
 @dataclass(slots=True)
@@ -118,6 +119,10 @@ class MemoryPlan:
     max_num_seqs: int
     max_num_batched_tokens: int
     memory_bytes: int | None = None
+    # a draft model (`--enable-decoder speculative`): its weights as its quantizer holds them
+    # plus its own KV pool (speculative's draft_num_kv_blocks), loaded at start-up beside the model
+    draft_model: str | None = None
+    draft_bytes: int = 0
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -138,7 +143,16 @@ def _at_least(param: str, value, low) -> None:
         raise ClientError.bad_value(param, value, f">= {low}")
 
 
-def plan(info: CheckpointInfo, opts: PlanOptions = PlanOptions()) -> MemoryPlan:
+def draft_bytes(draft: CheckpointInfo, opts: PlanOptions) -> int:
+    """What a draft model takes beside the target (`speculative`, with its default options):
+    its weights as ``draft_quantizer`` holds them, and its KV pool of ``draft_num_kv_blocks``."""
+    dtype = pick_dtype(_DRAFT.draft_dtype, pick_device("auto"))
+    rows = weight_rows(draft, _DRAFT.draft_quantizer if draft.format == "gguf" else None, torch.finfo(dtype).bits // 8)
+    kv = ModelRunner.kv_bytes_per_token(kv_layout(), draft.config, dtype, opts.kv_cache_dtype)
+    return next(r for r in rows if r.selected).bytes + kv * opts.block_size * _DRAFT.draft_num_kv_blocks
+
+
+def plan(info: CheckpointInfo, opts: PlanOptions = PlanOptions(), draft: CheckpointInfo | None = None) -> MemoryPlan:
     """The memory plan. KV per token is ``ModelRunner.kv_bytes_per_token`` in the torch
     backend's pool (:func:`kv_layout`: 2 * layers * kv heads * head_dim * bytes, plus the
     8-bit pools' bfloat16 scales); the pool holds
@@ -149,6 +163,7 @@ def plan(info: CheckpointInfo, opts: PlanOptions = PlanOptions()) -> MemoryPlan:
     reserves ``ceil((prompt + max_tokens) / block_size)`` at admission -- ``max_model_len`` for a
     request that leaves max_tokens open (the OpenAI API's default): pass the declared length as
     ``max_model_len`` to plan for another. Each count is ``num_kv_blocks // blocks per request``.
+    ``draft``: a draft model loaded beside it (:func:`draft_bytes`), counted before the KV pool.
 
     :raises ClientError: naming the option at fault (``param``).
     """
@@ -177,12 +192,13 @@ def plan(info: CheckpointInfo, opts: PlanOptions = PlanOptions()) -> MemoryPlan:
     oh = overhead(cfg, db, max_num_batched_tokens=opts.max_num_batched_tokens, max_num_seqs=opts.max_num_seqs,
                   context=context, max_model_len=max_len)
     memory_bytes = None
+    extra = draft_bytes(draft, opts) if draft is not None else 0
     if opts.memory is not None:
         memory_bytes = int(opts.memory * GiB)
-        if memory_bytes < weights:
+        if memory_bytes < weights + extra:
             raise ClientError(f"memory ({memory_bytes / GiB:.2f} GiB) is less than the weights "
                               f"({weights / GiB:.2f} GiB)", param="memory", value=opts.memory)
-        kv_mb, source = (memory_bytes - weights - oh.total) // MiB, "memory"
+        kv_mb, source = (memory_bytes - weights - extra - oh.total) // MiB, "memory"
         if kv_mb < 1:
             raise ClientError(f"memory ({memory_bytes / GiB:.2f} GiB) leaves no room for a KV cache after the weights "
                               f"({weights / GiB:.2f} GiB) and the overhead estimate ({oh.total / GiB:.2f} GiB)",
@@ -204,4 +220,4 @@ def plan(info: CheckpointInfo, opts: PlanOptions = PlanOptions()) -> MemoryPlan:
         kv_cache_memory_mb=kv_mb, num_kv_blocks=num_blocks, max_requests_paged=paged,
         max_requests_contiguous=contiguous, paged_over_contiguous=paged / contiguous if contiguous else None,
         max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=opts.max_num_batched_tokens,
-        memory_bytes=memory_bytes)
+        memory_bytes=memory_bytes, draft_model=draft.name if draft is not None else None, draft_bytes=extra)

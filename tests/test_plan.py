@@ -187,3 +187,23 @@ def test_cli_argparse_errors_name_the_flag(tmp_path, capsys):
         assert exc.value.code == 2 and named in capsys.readouterr().err
     assert main(["plan", "--model", str(tmp_path / "missing")]) == 2
     assert capsys.readouterr().err.startswith("error: --model")
+
+
+def test_a_draft_model_is_counted_before_the_kv_pool(tiny_model_dir):
+    """`--draft-model`: speculative's draft (its weights and its own KV pool) comes out of a
+    --memory budget, and the engine that loads it holds about that much in tensors."""
+    from tokenloom import LLM
+    from tokenloom.plugins.decoders.speculative import SpeculativeOptions
+
+    info = read_checkpoint(tiny_model_dir)
+    opts = PlanOptions(memory=1.0)  # dtype auto, as the draft's draft_dtype
+    alone, with_draft = plan(info, opts), plan(info, opts, draft=info)
+    kv_pool = alone.kv_bytes_per_token * alone.block_size * SpeculativeOptions().draft_num_kv_blocks
+    assert with_draft.draft_bytes == alone.weight_bytes + kv_pool  # the tiny model is dense: no quantizer
+    assert alone.kv_cache_memory_mb - with_draft.kv_cache_memory_mb == pytest.approx(with_draft.draft_bytes / 2**20, abs=1)
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, enable_decoders=["speculative"])
+    try:
+        loaded = llm.engine.stats()["decoder_speculative_model_bytes"]
+        assert abs(loaded - with_draft.draft_bytes) < 0.1 * with_draft.draft_bytes, (loaded, with_draft.draft_bytes)
+    finally:
+        llm.close()

@@ -214,7 +214,8 @@ class SharedStepDecoder:
         """Drop what this decoder keeps per sequence (a draft model's KV, ...)."""
 
     def model_bytes(self) -> int:
-        """Resident memory of the models this decoder loaded beside the target (a draft); 0: none."""
+        """Bytes of the models this decoder loaded beside the target (a draft's weights and KV
+        pool); 0: none."""
         return 0
 
     def stats(self) -> dict[str, float]:

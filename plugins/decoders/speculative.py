@@ -80,7 +80,7 @@ class SpeculativeDecoder(SharedStepDecoder):
 
     # ---- per sequence -----------------------------------------------------------------
     def model_bytes(self) -> int:
-        return self.draft.resident_bytes
+        return self.draft.memory_bytes
 
     def _state(self, seq: Sequence) -> _DraftState:
         st = self._states.get(seq.seq_id)
