@@ -1,8 +1,11 @@
-"""Regenerate the README's results section: `make results` (or python scripts/update_results.py).
+"""Regenerate the benchmark summary of docs/results.md: `make results` (or
+`python scripts/update_results.py [--quick] [--no-peers] [--reuse] [--write FILE]`).
 
-Runs the bench commands on the embedded model, keeps their JSON under bench-results/,
-and rewrites the README between the results markers with the figures, the date and the
-machine. Peers appear when installed (pip install -e '.[peers]'; scripts/build-llama-server.sh).
+Runs the bench commands on the embedded model, keeps their JSON under bench-results/, and
+rewrites the section of docs/results.md between its results markers with the figures, the
+date, the command that produced them and the machine. Peers appear when installed
+(`make peers`: pip install -e '.[peers]' and scripts/build-llama-server.sh). The seed's
+claims table, in the same file, is `python scripts/claims --write docs/results.md`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from tokenloom.bench.peers import format_peers
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench-results"
+RESULTS = ROOT / "docs" / "results.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
 
@@ -53,9 +57,9 @@ def machine() -> str:
     return f"{cpu} ({isa}), {torch.get_num_threads()} threads, torch {torch.__version__}, Python {platform.python_version()}"
 
 
-def render(decode: dict, offline: dict, shared: dict, multi: dict, peers: dict | None) -> str:
+def render(decode: dict, offline: dict, shared: dict, multi: dict, peers: dict | None, command: str) -> str:
     today = datetime.date.today().isoformat()
-    lines = [START, f"_Generated {today} by `make results` on {machine()}; model SmolLM2-135M-Instruct "
+    lines = [START, f"_Generated {today} by `{command}` on {machine()}; model SmolLM2-135M-Instruct "
                     "(Q4_1 GGUF; `gguf` keeps its 4-bit blocks, `none` dequantises them)._", ""]
     lines += ["**Decode** (`tokenloom bench decode`): each quantizer and dtype in one run.", "",
               format_decode(decode)]
@@ -86,12 +90,35 @@ def render(decode: dict, offline: dict, shared: dict, multi: dict, peers: dict |
     return "\n".join(lines)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+def replace_section(text: str, section: str) -> str:
+    """``text`` with its results section (markers included, exactly one pair) replaced."""
+    if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
+        raise ValueError(f"needs exactly one {START} line followed by one {END} line")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    return head + section + tail
+
+
+def command_line(argv: list[str]) -> str:
+    """How this run was started, as a reader would retype it."""
+    return " ".join(["python scripts/update_results.py", *argv])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller workloads (a few minutes)")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--reuse", action="store_true", help="keep bench-results/*.json that exist; run the rest")
-    args = ap.parse_args()
+    ap.add_argument("--write", metavar="FILE", default=str(RESULTS.relative_to(ROOT)),
+                    help="the file whose results section is rewritten (default: docs/results.md)")
+    argv = sys.argv[1:] if argv is None else argv
+    args = ap.parse_args(argv)
+    target = Path(args.write) if Path(args.write).is_absolute() else ROOT / args.write
+    try:
+        replace_section(target.read_text(), "")  # fail now, not after an hour of benches
+    except (OSError, ValueError) as exc:
+        print(f"error: --write {args.write}: {exc}")
+        return 2
     global REUSE
     REUSE = args.reuse
     OUT.mkdir(exist_ok=True)
@@ -107,14 +134,9 @@ def main() -> int:
     multi = bench("prefix-multi", "prefix", "--workload", "multi-turn", "--combos", "paged,radix")
     peers = None if args.no_peers else bench("peers", "peers", "--num-requests", n, "--prompt-len", plen,
                                              "--output-len", olen, "--plot", str(OUT / "peers.png"))
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    if START not in text or END not in text:
-        raise SystemExit("README.md has no results markers")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    readme.write_text(head + render(decode, offline, shared, multi, peers) + tail)
-    print("README.md results section updated")
+    section = render(decode, offline, shared, multi, peers, command_line(argv))
+    target.write_text(replace_section(target.read_text(), section))
+    print(f"{args.write}: the results section is rewritten")
     return 0
 
 

@@ -1,5 +1,5 @@
 """`python scripts/claims`: the verdict rules at their boundaries, the table from a fake
-figures dict, the README section replacement, and one --quick run on the tiny model."""
+figures dict, the section replacement (docs/results.md), and one --quick run on the tiny model."""
 
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def test_the_table_is_one_markdown_row_per_claim():
     rows = ct.build_rows(FIGURES)
     rows[0] = ct.Row("a | b", "s", "m", "holds", "tokenloom x")
     table = ct.format_claims(rows).splitlines()
-    assert table[0] == "| claim | the seed says | measured here | verdict | measured by |"
+    assert table[0] == "| claim | the seed says | measured | verdict | measured by |"
     assert len(table) == 2 + len(ct.CLAIMS)
     assert table[2] == "| a \\| b | s | m | holds | `tokenloom x` |"
 

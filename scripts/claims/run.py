@@ -93,15 +93,15 @@ def run_claims(args: argparse.Namespace) -> tuple[dict, list]:
 
 
 def cmd_claims(args: argparse.Namespace) -> int:
-    readme = Path(args.write) if args.write else None
-    if readme is not None:
+    target = Path(args.write) if args.write else None
+    if target is not None:
         if args.only:
             print("error: --write rewrites the whole table: run every measurement (no --only)")
             return 2
         try:
-            claims_table.replace_section(readme.read_text(), "")  # fail now, not after the run
+            claims_table.replace_section(target.read_text(), "")  # fail now, not after the run
         except (OSError, ValueError) as exc:
-            print(f"error: --write {readme}: {exc}")
+            print(f"error: --write {target}: {exc}")
             return 2
     result, rows = run_claims(args)
     text = section(rows, result["meta"])
@@ -109,9 +109,9 @@ def cmd_claims(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))
-    if readme is not None:
-        readme.write_text(claims_table.replace_section(readme.read_text(), text))
-        print(f"{readme}: the claims section is rewritten")
+    if target is not None:
+        target.write_text(claims_table.replace_section(target.read_text(), text))
+        print(f"{target}: the claims section is rewritten")
     return 1 if any("error" in f for f in result["figures"].values()) else 0
 
 
@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenloom.cli.args import add_engine_args
 
     cl = argparse.ArgumentParser(prog="python scripts/claims",
-                                 description="the seed's claims measured here: a row each, with a verdict and its command")
+                                 description="the seed's claims measured on this machine: a row each, with a verdict and its command")
     cl.add_argument("--quick", action="store_true", help="much smaller sizes (a few minutes; for tests)")
     cl.add_argument("--only", metavar="NAMES",
                     help="comma list of measurements: weights, kv, paged, batching, prefix, quant, spec, ttft")

@@ -185,7 +185,7 @@ CLAIMS = (
     Claim("spec_formula", "Speculative decoding's speedup is E[tokens/step] / step cost ratio, "
           "E = (1 - a^(k+1)) / (1 - a)", f"the formula (read as within {100 * FORMULA_TOLERANCE:g}%)", _spec, "spec",
           issue=9),
-    Claim("ttft_target", "Interactive chat wants TTFT under 500 ms (here: do we meet it under load?)",
+    Claim("ttft_target", "Interactive chat wants TTFT under 500 ms (measured: is it met under load?)",
           "p99 ≤ 500 ms", _ttft, "ttft"),
 )
 
@@ -222,7 +222,7 @@ def _cell(text: str) -> str:
 
 
 def format_claims(rows: list[Row]) -> str:
-    lines = ["| claim | the seed says | measured here | verdict | measured by |",
+    lines = ["| claim | the seed says | measured | verdict | measured by |",
              "| --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append("| " + " | ".join(_cell(x) for x in (r.claim, r.seed, r.measured, r.verdict))
@@ -238,7 +238,7 @@ def replace_section(text: str, section: str) -> str:
     """
     for marker in (BEGIN, END):
         if text.count(marker) != 1:
-            raise ValueError(f"the README needs exactly one {marker} line (found {text.count(marker)}); "
+            raise ValueError(f"the file needs exactly one {marker} line (found {text.count(marker)}); "
                              f"add {BEGIN} and {END} where the claims table goes")
     head, rest = text.split(BEGIN)
     if END not in rest:
