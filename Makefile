@@ -49,7 +49,7 @@ test: lint typecheck
 test-fast: lint
 	$(PY) -m pytest -m "not slow"
 
-# Rerun every benchmark and rewrite the README's results section (about an hour on 2 cores;
+# Rerun every benchmark and rewrite docs/results.md's generated sections (about an hour on 2 cores;
 # RESULTS_ARGS=--quick for a few minutes). Peers join when `make peers` has run.
 results: $(STAMP)
 	$(PY) scripts/update_results.py $(RESULTS_ARGS)

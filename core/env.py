@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 #: Comma-separated names of entry points (third-party plugins) that may load; empty = all.
 PLUGINS_ALLOWLIST = "TOKENLOOM_PLUGINS"
@@ -14,6 +15,18 @@ LOG_FORMAT = "TOKENLOOM_LOG_FORMAT"
 LOG_LEVEL = "TOKENLOOM_LOG_LEVEL"
 #: Number of torch intra-op threads; default: torch's choice.
 NUM_THREADS = "TOKENLOOM_NUM_THREADS"
+#: Where trained artefacts are kept (Medusa heads); default ~/.cache/tokenloom.
+CACHE_DIR = "TOKENLOOM_CACHE"
+#: Extra compiler flags for the C++ CPU ops, after ours (kernels/cpu_ops.py), e.g. -mno-avx512f.
+CPU_OPS_CFLAGS = "TOKENLOOM_CPU_OPS_CFLAGS"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_DIR) or Path.home() / ".cache" / "tokenloom")
+
+
+def cpu_ops_cflags() -> list[str]:
+    return os.environ.get(CPU_OPS_CFLAGS, "").split()
 
 
 def plugin_allowlist() -> set[str] | None:

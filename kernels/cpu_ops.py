@@ -42,6 +42,8 @@ from pathlib import Path
 import structlog
 import torch
 
+from tokenloom.core import env
+
 log = structlog.get_logger("tokenloom.kernels")
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
@@ -53,7 +55,7 @@ _state: dict = {}
 def _cflags() -> list[str]:
     """Compiled for this CPU; ``TOKENLOOM_CPU_OPS_CFLAGS`` adds flags after ours, e.g.
     ``-mno-avx512f`` builds the AVX2 paths on an AVX-512 machine (the tests do)."""
-    return ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", *os.environ.get("TOKENLOOM_CPU_OPS_CFLAGS", "").split()]
+    return ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", *env.cpu_ops_cflags()]
 
 
 def _source_files() -> tuple[list[Path], list[Path]]:

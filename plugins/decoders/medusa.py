@@ -32,12 +32,12 @@ metadata names the model they were trained for; by default
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import msgspec
 import torch
 
+from tokenloom.core import env
 from tokenloom.core.errors import ConfigError
 from tokenloom.core.hookspecs import hookimpl
 from tokenloom.core.interfaces import DecoderContext, DecoderOutput
@@ -48,7 +48,7 @@ from tokenloom.plugins.decoders.base import SharedStepDecoder
 
 
 def default_heads_path(model_name: str) -> Path:
-    root = Path(os.environ.get("TOKENLOOM_CACHE", Path.home() / ".cache" / "tokenloom"))
+    root = env.cache_dir()
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name)
     return root / "medusa" / f"{safe}.safetensors"
 
