@@ -215,7 +215,8 @@ def test_speculative_decoders_greedy_identical_on_the_embedded_model(tmp_path):
     # fp32, dequantised: a verification forward runs several rows where plain decoding runs
     # one, and with the 4-bit kernel's bfloat16 activations that alone can flip a near-tie.
     heads = _random_heads(tmp_path / "medusa.safetensors", 3, 576, scale=0.3)  # exactness needs no training
-    with LLM(dtype="float32", quantizer="none", decoder={"name": "medusa", "heads": str(heads)}) as llm:
+    with LLM(dtype="float32", quantizer="none", decoder={"name": "medusa", "heads": str(heads)},
+             enable_decoders=["speculative"]) as llm:
         base = SamplingParams(temperature=0, max_tokens=64, decoder="standard")
         want = llm.generate(messages=messages, params=base)
         for name in ("ngram", "speculative", "medusa"):  # speculative: the same model, 4-bit, drafts
