@@ -91,19 +91,10 @@ class Gateway:
         self.metrics = ServerMetrics(engine)
         self.connections = ConnectionLimits(self.options.max_connections, self.options.max_connections_per_client,
                                             self.metrics)
+        # who may come in: the key and Origin rules every frontend applies (protocols/http.py)
         self.rules = AccessRules(self.options.api_key, tuple(self.options.allowed_origins or ()))
         self.num_admitting = 0  # requests holding a slot but not yet submitted (they count towards max_queue)
         self.draining = False
-
-    # ---- who may come in: the rules every frontend shares (protocols/http.py) ----------
-    def authorized(self, token: str | None) -> bool:
-        return self.rules.authorized(token)
-
-    def bearer_authorized(self, authorization: str | None) -> bool:
-        return self.rules.bearer_authorized(authorization)
-
-    def origin_allowed(self, origin: str | None, host: str | None) -> bool:
-        return self.rules.origin_allowed(origin, host)
 
     # ---- admission --------------------------------------------------------------------
     def refusal(self) -> Refusal | None:

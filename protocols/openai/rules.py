@@ -69,7 +69,7 @@ class Rules:
         if origin is not None and gateway.options.allowed_origins:
             cors = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
         try:
-            if not gateway.origin_allowed(origin, request.headers.get("host")):
+            if not gateway.rules.origin_allowed(origin, request.headers.get("host")):
                 raise HTTPError(403, f"Origin {quoted(origin)} is not allowed (see --allow-origin)",
                                 code="origin_not_allowed")
             if request.method == "OPTIONS" and origin is not None:  # a CORS preflight
@@ -80,7 +80,7 @@ class Rules:
                 })(scope, receive, send)
             open_path = request.url.path == "/health" or (request.url.path == "/metrics"
                                                           and gateway.options.public_metrics)
-            if not open_path and not gateway.bearer_authorized(request.headers.get("authorization")):
+            if not open_path and not gateway.rules.bearer_authorized(request.headers.get("authorization")):
                 raise HTTPError(401, "missing or invalid API key (send Authorization: Bearer <key>)",
                                 code="invalid_api_key")
             await self.app(scope, receive, _with_headers(send, cors))

@@ -162,7 +162,7 @@ class OpenAIFrontend:
     async def health(self, request: Request) -> Response:
         """As on the WebSocket port: the status alone, and with the API key (or none set)
         the engine's counters, KV blocks, failures and memory too."""
-        full = self.gateway.bearer_authorized(request.headers.get("authorization"))
+        full = self.gateway.rules.bearer_authorized(request.headers.get("authorization"))
         status, body = health_body(self.engine, draining=self.gateway.draining, full=full)
         return schema.json_response(body, status)
 
