@@ -34,6 +34,8 @@ ENGINE_FLAGS = {
     "chunked_prefill": "scheduler.enable_chunked_prefill",
     "overlap": "overlap",
     "capture": "capture",
+    "engine_process": "process",
+    "batch_invariant": "batch_invariant",
     "tensor_parallel_size": "tensor_parallel_size",
 }
 
@@ -67,6 +69,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--capture", action=argparse.BooleanOptionalAction, default=None,
                    help="run a decode step as the backend's captured step, no Python between ops "
                         "(default on; --no-capture is vLLM's --enforce-eager)")
+    g.add_argument("--engine-process", choices=["auto", "inline", "separate"],
+                   help="run the engine core in this process or its own (default auto: separate for "
+                        "`tokenloom serve`, inline elsewhere)")
+    g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="a request's tokens do not depend on the batch it runs in nor on the decoder "
+                        "(reproducible runs; slower, see docs/quantization.md)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="N",
                    help="split the model over N ranks (processes; gloo on CPUs, NCCL on GPUs)")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -28,6 +28,7 @@ from tokenloom.core.plugins import ROLE_LABELS, ROLES, PluginManager
 
 DEFAULT_MODEL = "smollm2-135m"
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+ENGINE_PROCESSES = ("auto", "inline", "separate")
 SELECTABLE_ROLES = ("scheduler", "cache_manager", "decoder", "backend", "quantizer")
 DEFAULT_STRATEGIES = {
     "scheduler": "continuous",
@@ -65,6 +66,13 @@ class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # run each pure decode step as the backend's captured step (torch on CPU: the whole step in
     # one C++ call, backends/torch_backend.py); false runs every step op by op from Python
     capture: bool = True
+    # where the engine core runs: ``inline`` (in the caller's process: the Python API, tests),
+    # ``separate`` (its own process; requests and per-step token batches cross a pipe), or
+    # ``auto`` (separate for `tokenloom serve`, inline everywhere else)
+    process: str = "auto"
+    # a request's tokens do not depend on what else is in its batch nor on the decoder: every
+    # row takes the same kernels in the same reduction order (costlier; docs/quantization.md)
+    batch_invariant: bool = False
     # Tensor parallelism (core/parallel.py, core/executor.py): ranks the model is split over;
     # under torchrun, the processes torchrun started. A hung rank fails the engine after
     # distributed_timeout_s.
@@ -243,6 +251,8 @@ def _check_engine(e: EngineOptions) -> None:
         raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {e.dtype!r}")
     if e.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ConfigError(f"kv_cache_dtype must be auto, fp8 or int8, got {e.kv_cache_dtype!r}")
+    if e.process not in ENGINE_PROCESSES:
+        raise ConfigError(f"process must be auto, inline or separate, got {e.process!r}")
     if e.block_size < 1 or e.block_size & (e.block_size - 1):
         raise ConfigError(f"block_size must be a power of two, got {e.block_size}")
     for key in ("max_model_len", "kv_cache_memory_mb", "num_kv_blocks", "seed", "num_threads", "max_restarts",
