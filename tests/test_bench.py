@@ -189,3 +189,47 @@ def test_a_peer_that_crashes_is_a_failure_not_the_end_of_the_run():
     with pytest.raises(BrokenProcessPool):
         isolated(os.abort)
     assert isolated(os.getpid) != os.getpid()  # and it really was another process
+
+
+def test_venv_peers_are_skipped_when_not_built_and_their_runner_results_are_read(tmp_path):
+    import sys
+
+    from tokenloom.bench import peers
+    from tokenloom.bench.workload import BenchRequest
+
+    wl = [BenchRequest([300, 301, 302], 4), BenchRequest([303], 2)]
+    # nothing built under the peers dir: each venv peer answers None (reported as not installed)
+    assert peers.run_vllm_offline(tmp_path, wl, 2, 2, "float32", "all") is None
+    assert peers.run_openvino_offline(tmp_path, wl, 2, 2, "float32", "int4") is None
+    skipped: list[str] = []
+    import argparse
+
+    args = argparse.Namespace(skip=["llama-server"], llama_server=None, config=None, vllm_bind="both")
+    systems = peers.served_systems(args, {"model": "smollm2-135m"}, 2, 4, 64, tmp_path, skipped)
+    assert [s for s, _ in systems] == ["tokenloom"] and skipped[0].startswith("vllm serve: not installed")
+    # a runner's PEER_RESULT line is its result; a runner that dies raises with its last lines
+    ok = [sys.executable, "-c", "import json,sys; j=json.load(sys.stdin); print('log'); "
+          "print('PEER_RESULT ' + json.dumps({'elapsed_s': 2.0, 'produced': [n for _, n in j['workload']]}))"]
+    res = peers.run_venv_peer("fake", ok, peers._job(tmp_path, wl, 2, 2, "float32"), log=tmp_path / "l.log")
+    row = peers._venv_row("fake", wl, res, "note")
+    assert row["output_tok_s"] == 3.0 and row["note"] == "note" and (tmp_path / "l.log").exists()
+    short = peers._venv_row("fake", wl, {"elapsed_s": 1.0, "produced": [4, 1]}, "n")
+    assert short["note"] == "n; 1 requests short"
+    with pytest.raises(RuntimeError, match="boom"):
+        peers.run_venv_peer("fake", [sys.executable, "-c", "import sys; sys.exit('boom')"], {})
+    # vLLM's binding: its default, or compute on the first `threads` allowed cores, none reserved
+    assert peers.vllm_bind_env("auto", 2) == {}
+    env = peers.vllm_bind_env("all", 1)
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and env["VLLM_CPU_OMP_THREADS_BIND"].isdigit()
+
+
+def test_a_server_that_fails_to_start_is_reported(tmp_path):
+    import sys
+
+    from tokenloom.bench.peers import Server, _free_port
+
+    server = Server("broken", [sys.executable, "-c", "import sys; print('no model'); sys.exit(3)"], _free_port(),
+                    tmp_path / "s.log")
+    with pytest.raises(RuntimeError, match="exited 3 while starting: no model"):
+        with server:
+            pass

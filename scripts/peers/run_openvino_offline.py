@@ -1,0 +1,70 @@
+"""OpenVINO GenAI's ``ContinuousBatchingPipeline`` on a token-id workload, for `tokenloom bench peers`.
+
+Runs in OpenVINO's own venv (``.peers/openvino-venv/bin/python``); imports nothing of
+tokenloom. Reads one JSON object on stdin:
+
+    {"model": OV_DIR, "workload": [[prompt_token_ids, max_tokens], ...], "concurrency": N,
+     "threads": T, "dtype": "float32", "max_num_batched_tokens": 512, "kv_cache_gib": 2}
+
+and prints ``PEER_RESULT {json}`` on stdout: the workload's wall time (after a warm-up
+request), the output tokens produced, OpenVINO GenAI's version and its start-up time. Greedy,
+EOS ignored with ``min_new_tokens`` = ``max_new_tokens`` (every request produces exactly its
+max_tokens), ``max_num_seqs`` = concurrency, all requests submitted at once, dynamic split-fuse
+(chunked prefill), no prefix caching. ``dtype`` float32 asks the CPU plugin for f32 inference
+(its default on a CPU with bf16 is bf16); the weights are the export's (int4 or int8).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main() -> None:
+    job = json.load(sys.stdin)
+    import numpy as np
+    import openvino as ov
+    import openvino_genai as ov_genai
+
+    sched = ov_genai.SchedulerConfig()
+    sched.max_num_seqs = job["concurrency"]
+    sched.max_num_batched_tokens = job.get("max_num_batched_tokens", 512)
+    sched.cache_size = job.get("kv_cache_gib", 2)
+    sched.dynamic_split_fuse = True
+    sched.enable_prefix_caching = False
+    props = {"INFERENCE_NUM_THREADS": int(job["threads"])}
+    precision = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(job.get("dtype", ""))
+    if precision:
+        props["INFERENCE_PRECISION_HINT"] = precision
+    t0 = time.perf_counter()
+    pipe = ov_genai.ContinuousBatchingPipeline(job["model"], sched, "CPU", props)
+    startup = time.perf_counter() - t0
+
+    def greedy(n: int):
+        cfg = ov_genai.GenerationConfig()
+        cfg.max_new_tokens = n
+        cfg.min_new_tokens = n
+        cfg.ignore_eos = True
+        cfg.do_sample = False
+        return cfg
+
+    def ids(tokens: list[int]):
+        return ov.Tensor(np.asarray([tokens], dtype=np.int64))
+
+    pipe.generate([ids(list(range(300, 316)))], [greedy(4)])  # warm-up
+    workload = job["workload"]
+    inputs = [ids(p) for p, _ in workload]
+    configs = [greedy(n) for _, n in workload]
+    t0 = time.perf_counter()
+    results = pipe.generate(inputs, configs)
+    elapsed = time.perf_counter() - t0
+    produced = [len(r.m_generation_ids[0]) for r in results]
+    print("PEER_RESULT " + json.dumps({
+        "elapsed_s": elapsed, "produced": produced, "startup_s": startup, "version": ov_genai.__version__,
+        "precision": precision or "plugin default",
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
