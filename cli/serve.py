@@ -112,16 +112,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ClientError.bad_value("data_parallel_size", args.data_parallel_size, ">= 1")
         return cmd_serve_data_parallel(args)
     from tokenloom.cli.args import api_key_from, flags_layer, progress_bar
+    from tokenloom.core.build import config_from_sources
     from tokenloom.core.config import merge_layers
     from tokenloom.core.engine import AsyncEngine
+    from tokenloom.core.errors import ConfigError
     from tokenloom.core.logging import configure_logging
+    from tokenloom.core.plugins import PluginManager
     from tokenloom.protocols.connections import fit_fd_limit
     from tokenloom.protocols.gateway import FrontendHost, ServerOptions
     from tokenloom.protocols.ratelimit import RateLimits
 
     configure_logging("INFO")
     flags = merge_layers(flags_layer(args), serve_layer(args))
-    engine = AsyncEngine.from_options(args.config, flags, progress=progress_bar("loading model"))
     options = ServerOptions(host=args.host, api_key=api_key_from(args.api_key_file),
                             allowed_origins=args.allow_origin, max_connections=fit_fd_limit(args.max_connections),
                             max_connections_per_client=args.max_connections_per_client,
@@ -131,19 +133,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             shutdown_deadline_s=args.shutdown_deadline, default_timeout_s=args.request_timeout,
                             rate_limits=RateLimits(args.rate_limit_rpm, args.rate_limit_tpm),
                             public_metrics=args.public_metrics)
+    pm = PluginManager()
+    config = config_from_sources(pm, args.config, flags)
+    separate = config.engine.process in ("auto", "separate")
+    if separate and config.engine.tensor_parallel_size > 1:
+        if config.engine.process == "separate":
+            raise ConfigError("process = \"separate\" does not combine with tensor_parallel_size > 1 yet "
+                              "(the ranks are the engine's own processes); use --engine-process inline")
+        separate = False  # auto: tensor-parallel ranks keep the engine in the server's process
+    inline = None if separate else AsyncEngine(config, plugin_manager=pm, progress=progress_bar("loading model"))
 
     async def main() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        host = FrontendHost(engine, options)
-        await host.start()
-        print(host.banner(), file=sys.stderr, flush=True)
-        return await serve_until_stopped(host, stop)
+        if separate:
+            from tokenloom.core.engine_process import EngineClient
+
+            engine = await EngineClient.start(config, pm, log_level="INFO", show_progress=True)
+        else:
+            engine = inline
+        try:
+            host = FrontendHost(engine, options)
+            await host.start()
+            print(host.banner(), file=sys.stderr, flush=True)
+            return await serve_until_stopped(host, stop)
+        finally:
+            if separate:
+                await engine.aclose()
 
     code = asyncio.run(main())
-    engine.close()
+    if inline is not None:
+        inline.close()
     return code
 
 

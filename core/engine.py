@@ -17,15 +17,15 @@ import structlog
 from tokenloom.core.build import EngineParts, build_engine_parts
 from tokenloom.core.config import EngineConfig
 from tokenloom.core.detokenizer import IncrementalDetokenizer
-from tokenloom.core.errors import ClientError, RequestTooLong
+from tokenloom.core.errors import ClientError
 from tokenloom.core.executor import ExecutorFailed
 from tokenloom.core.health import EngineHealth, HealthReport
-from tokenloom.core.inputs import encode_prompt, refuse_by_size
+from tokenloom.core.inputs import check_length, encode_prompt, refuse_by_size
 from tokenloom.core.interfaces import DecoderOutput
 from tokenloom.core.metrics import EngineCounters, StepStats, engine_stats
-from tokenloom.core.outputs import Finished, TokenDelta
+from tokenloom.core.outputs import Finished, TokenDelta, read_stream
 from tokenloom.core.plugins import PluginManager
-from tokenloom.core.requests import RequestState
+from tokenloom.core.requests import RequestState, Sink
 from tokenloom.core.sampler import TokenLogprob
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.core.sequence import Batch, Sequence, SequenceStatus
@@ -107,11 +107,13 @@ class AsyncEngine:
 
     def submit(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
                messages: list[dict] | None = None, request_id: str | None = None,
-               cache_salt: str | None = None, parse_special_tokens: bool | None = None) -> RequestState:
+               cache_salt: str | None = None, parse_special_tokens: bool | None = None,
+               sink: Sink | None = None) -> RequestState:
         """Validate and enqueue; raises ClientError before anything is accepted, and
         EngineUnavailable while the engine cannot serve. Requests with different
         ``cache_salt`` never share prefix-cache blocks (tenants). A server tokenises first
-        with :meth:`prompt_ids_async` and submits the ids."""
+        with :meth:`prompt_ids_async` and submits the ids. The request's outputs go to a new
+        queue that :meth:`stream` reads, or to ``sink``."""
         params = params or SamplingParams()
         params.validate(self.model_config.vocab_size)
         if params.decoder is not None and params.decoder not in self._decoder_names:
@@ -125,24 +127,38 @@ class AsyncEngine:
         if request_id in self._requests:
             raise ClientError(f"request id {request_id!r} is already in use", param="request_id", value=request_id)
         ids = self.prompt_ids(prompt, messages, parse_special_tokens)
-        if len(ids) >= self.max_model_len:
-            raise RequestTooLong(f"prompt ({len(ids)} tokens) leaves no room to generate within the context "
-                                 f"length {self.max_model_len}", param="prompt", value=len(ids))
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise RequestTooLong(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                f"length {self.max_model_len}", param="max_tokens", value=params.max_tokens)
+        check_length(len(ids), params.max_tokens, self.max_model_len)
         if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > 256):
             raise ClientError.bad_value("cache_salt", cache_salt, "a string of at most 256 characters")
         seq = Sequence(request_id, ids, params, eos_token_ids=self.tokenizer.eos_token_ids, cache_salt=cache_salt)
         self.scheduler.add(seq)  # may raise RequestTooLong (can never fit the cache)
-        req = RequestState(seq, IncrementalDetokenizer(self.tokenizer, ids, params.stop), asyncio.Queue())
+        req = RequestState(seq, IncrementalDetokenizer(self.tokenizer, ids, params.stop),
+                           asyncio.Queue() if sink is None else sink)
         self._requests[request_id] = req
         if params.timeout_s is not None:
             heapq.heappush(self._deadlines, (seq.arrival_time + params.timeout_s, seq.seq_id, request_id))
         self.counters.prompt_tokens += len(ids)
         self._wakeup.set()
         return req
+
+    async def submit_async(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str,
+                           cache_salt: str | None = None) -> RequestState:
+        """A server's way in (the gateway's): :meth:`submit` here; across a process boundary
+        (core/engine_process.py) it waits for the core to accept or refuse."""
+        return self.submit(prompt_ids, params, request_id=request_id, cache_salt=cache_salt)
+
+    async def refresh_stats(self) -> None:
+        """Make :meth:`stats` current (a no-op here; the engine core in its own process is
+        asked for its numbers)."""
+
+    def kv_block_map(self) -> str:
+        """One digit per KV block: 0 free, 1 used, 2 cached (the playground's map)."""
+        return "".join(map(str, self.cache.block_states()))
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the KV pool holds (what one request can at most use)."""
+        return self.cache.num_blocks * self.cache.block_size
 
     async def generate(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
                        messages: list[dict] | None = None, request_id: str | None = None,
@@ -152,13 +168,11 @@ class AsyncEngine:
             yield item
 
     async def stream(self, req: RequestState) -> AsyncIterator[TokenDelta | Finished]:
-        """Iterate a submitted request's deltas and its final result. Leaving early aborts it."""
+        """Iterate a submitted request's deltas and its final result; deltas that piled up
+        while the reader was busy come as one. Leaving early aborts it."""
         try:
-            while True:
-                item = await req.queue.get()
+            async for item in read_stream(req.queue):
                 yield item
-                if isinstance(item, Finished):
-                    return
         finally:
             if not req.done:  # the consumer went away: do not generate for nobody
                 self.abort(req.seq.request_id)

@@ -58,3 +58,14 @@ def refuse_by_size(tokenizer, max_model_len: int, prompt: str | list[int] | None
     if min_tokens >= max_model_len:
         raise RequestTooLong(f"{param} has {chars} characters, so at least {min_tokens} tokens: it cannot fit "
                              f"the context length {max_model_len}", param=param, value=chars)
+
+
+def check_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """A prompt that leaves no room to generate, or with max_tokens more than the context."""
+    if num_prompt_tokens >= max_model_len:
+        raise RequestTooLong(f"prompt ({num_prompt_tokens} tokens) leaves no room to generate within the context "
+                             f"length {max_model_len}", param="prompt", value=num_prompt_tokens)
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise RequestTooLong(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context "
+            f"length {max_model_len}", param="max_tokens", value=max_tokens)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import msgspec
 
 
@@ -48,6 +50,36 @@ class Finished(msgspec.Struct, frozen=True, kw_only=True):
     usage: Usage
     metrics: RequestMetrics
     error: str | None = None
+
+
+def merge_deltas(a: TokenDelta, b: TokenDelta) -> TokenDelta:
+    """Two consecutive deltas of one request as one (a stream that fell behind sends what
+    is ready in one frame): text, ids and logprobs concatenated."""
+    logprobs = None if a.logprobs is None and b.logprobs is None else [*(a.logprobs or ()), *(b.logprobs or ())]
+    return TokenDelta(request_id=a.request_id, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
+                      logprobs=logprobs)
+
+
+async def read_stream(queue) -> AsyncIterator[TokenDelta | Finished]:
+    """A request's queue as a stream that coalesces: the deltas already waiting when the
+    reader comes back are yielded as one (a reader that keeps up gets one per step), then
+    the Finished, which ends it."""
+    while True:
+        item = await queue.get()
+        held = None
+        if isinstance(item, TokenDelta):
+            while not queue.empty():
+                nxt = queue.get_nowait()
+                if not isinstance(nxt, TokenDelta):
+                    held = nxt
+                    break
+                item = merge_deltas(item, nxt)
+        yield item
+        if held is not None:
+            item = held
+            yield item
+        if isinstance(item, Finished):
+            return
 
 
 RequestOutput = Finished  # the hook spec's name for the final result

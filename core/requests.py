@@ -3,8 +3,8 @@ the caller reads (TokenDelta ... then exactly one Finished)."""
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tokenloom.core.detokenizer import IncrementalDetokenizer
 from tokenloom.core.metrics import RequestTimer
@@ -13,16 +13,27 @@ from tokenloom.core.sampler import TokenLogprob
 from tokenloom.core.sequence import FINISH_REASONS, Sequence, SequenceStatus
 
 
+class Sink(Protocol):
+    """Where a request's TokenDeltas and its Finished go: an ``asyncio.Queue`` its reader
+    awaits, or (the engine core in its own process) the outbox of the next message."""
+
+    def put_nowait(self, item: TokenDelta | Finished, /) -> None: ...
+
+
 @dataclass(eq=False, slots=True)
 class RequestState:
     seq: Sequence
     detok: IncrementalDetokenizer
-    queue: asyncio.Queue
+    queue: Sink
     timer: RequestTimer = field(default_factory=RequestTimer)
     done: bool = False
     num_drafted: int = 0  # draft tokens verified for this request (speculative decoders)
     num_accepted: int = 0  # of which accepted
     ending: SequenceStatus | None = None  # its end is committed; the Finished is on its way
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.request_id
 
     def check_stop(self, tok: int, max_model_len: int, detokenize: bool = True) -> SequenceStatus | None:
         """After appending ``tok``: does the sequence end here, and why? ``detokenize=False``

@@ -59,6 +59,17 @@ class Tokenizer:
         #: byte): a text of n characters has at least n / max_token_chars tokens
         self.max_token_chars = max(map(len, tok.get_vocab(with_added_tokens=True)), default=1)
 
+    def __getstate__(self) -> dict:
+        """What crosses to another process (a server's frontend when the engine core runs in
+        its own): the vocabulary as JSON and the settings; caches are rebuilt on use."""
+        return {"tok": self.tok.to_str(), "bos_token_id": self.bos_token_id, "eos_token_ids": sorted(self.eos_token_ids),
+                "chat_template": self.chat_template, "add_bos": self.add_bos}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(HFTokenizer.from_str(state["tok"]), bos_token_id=state["bos_token_id"],  # type: ignore[misc]
+                      eos_token_ids=state["eos_token_ids"], chat_template=state["chat_template"],
+                      add_bos=state["add_bos"])
+
     def token(self, token_id: int) -> str | None:
         return self.tok.id_to_token(token_id)
 

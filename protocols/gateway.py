@@ -150,14 +150,14 @@ class Gateway:
             params.validate(engine.model_config.vocab_size)  # before spending time on the prompt
             ids = await engine.prompt_ids_async(prompt, messages, parse_special_tokens)
             if fill_max_tokens:  # the rest of the context, or of the KV pool where that is smaller
-                room = min(engine.max_model_len, engine.cache.num_blocks * engine.cache.block_size) - len(ids)
+                room = min(engine.max_model_len, engine.kv_capacity_tokens) - len(ids)
                 params = msgspec.structs.replace(params, max_tokens=max(1, room))
             if wait := limiter.take_tokens(len(ids) + params.max_tokens):
                 self.metrics.rate_limited.inc()
                 raise RateLimited(wait, "tokens")
             if self.draining:
                 raise Refused(Refusal("shutting_down", "the server is shutting down"))
-            return engine.submit(ids, params, request_id=request_id, cache_salt=cache_salt)
+            return await engine.submit_async(ids, params, request_id=request_id, cache_salt=cache_salt)
         except EngineUnavailable:
             self.metrics.engine_unavailable.inc()
             raise

@@ -126,9 +126,15 @@ async def make_server(tiny_model_dir):
 
     async def factory(**opts):
         engine_kw = opts.pop("engine", {})
-        pm = PluginManager(load_entry_points=False, extra=opts.pop("plugins", ()))
-        engine = AsyncEngine(config_from_sources(pm, None, None, tiny_engine_kwargs(tiny_model_dir, **engine_kw)),
-                             plugin_manager=pm)
+        plugins = opts.pop("plugins", ())
+        pm = PluginManager(load_entry_points=False, extra=plugins)
+        config = config_from_sources(pm, None, None, tiny_engine_kwargs(tiny_model_dir, **engine_kw))
+        if SEPARATE and not plugins:  # (in-process plugins cannot cross to the core process)
+            from tokenloom.core.engine_process import EngineClient
+
+            engine = await EngineClient.start(config, pm, log_level="WARNING")
+        else:
+            engine = AsyncEngine(config, plugin_manager=pm)
         server = TokenServer(engine, ServerOptions(port=0, **opts))
         await server.start()
         made.append(server)
@@ -138,7 +144,14 @@ async def make_server(tiny_model_dir):
     for server in made:
         await server.shutdown(deadline_s=0)
         await server.engine.shutdown()
-        server.engine.close()
+        if hasattr(server.engine, "aclose"):
+            await server.engine.aclose()
+        else:
+            server.engine.close()
+
+
+#: TOKENLOOM_TEST_ENGINE_PROCESS=separate runs the server fixtures' engines in their own process
+SEPARATE = os.environ.get("TOKENLOOM_TEST_ENGINE_PROCESS") == "separate"
 
 
 def start_serve_process(*args: str):
@@ -173,7 +186,13 @@ async def wait_idle(engine, timeout=5.0):
     import asyncio
 
     for _ in range(int(timeout / 0.01)):
-        if engine.num_unfinished == 0 and engine.cache.stats().num_used_blocks == 0:
+        if engine.num_unfinished == 0 and (await engine_stats(engine))["kv_blocks_used"] == 0:
             return True
         await asyncio.sleep(0.01)
     return False
+
+
+async def engine_stats(engine) -> dict:
+    """The engine's current stats, wherever its core runs (in this process or its own)."""
+    await engine.refresh_stats()
+    return engine.stats()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SlowSteps, wait_idle
+from conftest import SlowSteps, engine_stats, wait_idle
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Tell me a long story about a loom."
@@ -118,7 +118,7 @@ async def test_playground_chat_stop_and_engine_panel(make_server):
 
             # After the end, the engine is idle, holds no block, and the panel says so.
             assert await wait_idle(server.engine)
-            assert server.engine.cache.stats().num_used_blocks == 0
+            assert (await engine_stats(server.engine))["kv_blocks_used"] == 0
             polls = int(await page.get_attribute("#engine", "data-polls"))
             await page.wait_for_function(  # a poll that began after the engine went idle
                 "(n) => Number(document.getElementById('engine').dataset.polls) > n + 1", arg=polls)

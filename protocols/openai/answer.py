@@ -19,7 +19,7 @@ class Answer:
     def __init__(self, frontend, req, kind: str, state):
         self.frontend, self.req, self.kind, self.state = frontend, req, kind, state
         self.engine, self.metrics = frontend.engine, frontend.gateway.metrics
-        self.rid = state.seq.request_id
+        self.rid = state.request_id
         self.id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + self.rid.removeprefix("oai-")
         self.created = int(time.time())
         self.finished = False  # its final result was seen (and counted)

@@ -163,12 +163,15 @@ class OpenAIFrontend:
         """As on the WebSocket port: the status alone, and with the API key (or none set)
         the engine's counters, KV blocks, failures and memory too."""
         full = self.gateway.rules.bearer_authorized(request.headers.get("authorization"))
+        if full:
+            await self.engine.refresh_stats()
         status, body = health_body(self.engine, draining=self.gateway.draining, full=full)
         return schema.json_response(body, status)
 
     async def prometheus(self, request: Request) -> Response:
         """Prometheus metrics of the whole server (every frontend's)."""
         m = self.gateway.metrics
+        await self.engine.refresh_stats()
         return Response(m.render(), media_type=m.content_type)
 
     async def chat_completions(self, request: Request) -> Response:

@@ -91,9 +91,11 @@ class TokenServer:
         log.info("server_started", host=o.host, port=self.port, model=self.engine.model_name)
 
     # ---- HTTP side of the port: health, metrics, auth, connection limit ---------------
-    def _process_request(self, connection: ServerConnection, request) -> Response | None:
+    async def _process_request(self, connection: ServerConnection, request) -> Response | None:
         path = request.path.split("?", 1)[0]
         authorized = self.gateway.rules.request_authorized(request)
+        if path in ("/health", "/metrics", "/stats") and (authorized or self.options.public_metrics):
+            await self.engine.refresh_stats()  # the engine core's numbers, when it runs in its own process
         if path == "/health":
             return self._health(full=authorized)
         if path == "/favicon.ico":  # browsers ask; the playground declares none
@@ -124,7 +126,7 @@ class TokenServer:
         return {"model": e.model_name, "uptime_s": round(time.monotonic() - self._started_at, 1),
                 "health": "draining" if self.draining else e.health_report().status,
                 "strategies": e.config.to_dict(), "stats": stats,
-                "max_model_len": e.max_model_len, "block_size": e.cache.block_size, "blocks": "".join(map(str, e.cache.block_states())),
+                "max_model_len": e.max_model_len, "block_size": e.config.engine.block_size, "blocks": e.kv_block_map(),
                 "frontends": [f.name for f in e.config.frontends]}
 
     def _health(self, *, full: bool) -> Response:
