@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import pickle
@@ -571,7 +572,10 @@ async def _spawn(config: EngineConfig, log_level: str, show_progress: bool):
     what failed at its start-up is raised here (ConfigError, ...)."""
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe(duplex=True)
-    process = ctx.Process(target=core_main, args=(theirs, config, log_level, show_progress),
+    # the frontends' options stay here: the core never reads them (and a third-party
+    # frontend's options class need not be importable there)
+    core_config = dataclasses.replace(config, frontends=[])
+    process = ctx.Process(target=core_main, args=(theirs, core_config, log_level, show_progress),
                           name="tokenloom-engine-core", daemon=True)
     process.start()
     theirs.close()

@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # annotations only: most of these import this module (a cycle
     from tokenloom.core.build import SecondModel
     from tokenloom.core.config import EngineConfig
     from tokenloom.core.engine import AsyncEngine
+    from tokenloom.core.engine_process import EngineClient
     from tokenloom.core.loader import LoadedCheckpoint
     from tokenloom.core.models.config import ModelConfig
     from tokenloom.core.plugins import PluginManager
@@ -441,7 +442,11 @@ class FrontendContext:
     charge the token rate, submit; the slot is given back whatever happens); ``metrics`` is
     the one Prometheus registry (``observe_finished`` each request's end)."""
 
-    engine: AsyncEngine  # the engine every frontend serves
+    # the engine every frontend serves: in this process, or (`tokenloom serve`'s default) a
+    # client of the engine core in its own; the same calls either way: prompt_ids_async,
+    # stream(handle) (the handle gateway.admit returns; its ``request_id``), abort,
+    # ``await refresh_stats()`` then stats(), health_report(), num_unfinished
+    engine: AsyncEngine | EngineClient
     host: str  # the address every frontend binds
     gateway: Gateway
 

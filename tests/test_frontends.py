@@ -14,6 +14,7 @@ import pytest
 
 from tokenloom.core.build import config_from_sources
 from tokenloom.core.engine import AsyncEngine
+from tokenloom.core.engine_process import EngineClient
 from tokenloom.core.hookspecs import hookimpl
 from tokenloom.core.interfaces import Frontend
 from tokenloom.core.outputs import Finished
@@ -22,7 +23,7 @@ from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.protocols.gateway import FrontendHost, RateLimited, Refused, ServerOptions
 from tokenloom.protocols.ratelimit import RateLimiter, RateLimits
 
-from conftest import SlowSteps, tiny_engine_kwargs, wait_idle
+from conftest import SEPARATE, SlowSteps, engine_stats, tiny_engine_kwargs, wait_idle
 
 
 class LineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -72,12 +73,12 @@ class LineFrontend:
             except (Refused, RateLimited) as exc:
                 writer.write(json.dumps({"error": type(exc).__name__}).encode() + b"\n")
                 continue
-            self.running.add(req.seq.request_id)
+            self.running.add(req.request_id)
             async for item in self.engine.stream(req):
                 if isinstance(item, Finished):
                     self.finals.append(item.finish_reason)
                     writer.write(json.dumps({"text": item.text, "finish_reason": item.finish_reason}).encode() + b"\n")
-            self.running.discard(req.seq.request_id)
+            self.running.discard(req.request_id)
             await writer.drain()
         writer.close()
 
@@ -95,7 +96,10 @@ async def host_factory(tiny_model_dir):
     async def make(frontends: dict, slow: bool = False, **server_options):
         pm = PluginManager(load_entry_points=False, extra=[LinePlugin(), *([SlowSteps()] if slow else [])])
         config = config_from_sources(pm, None, None, tiny_engine_kwargs(tiny_model_dir, frontends=frontends))
-        engine = AsyncEngine(config, plugin_manager=pm)
+        if SEPARATE and not slow:  # (SlowSteps is an engine plugin object: it stays in this process)
+            engine = await EngineClient.start(config, pm, log_level="WARNING")
+        else:
+            engine = AsyncEngine(config, plugin_manager=pm)
         host = FrontendHost(engine, ServerOptions(**server_options))
         await host.start()
         made.append(host)
@@ -105,7 +109,10 @@ async def host_factory(tiny_model_dir):
     for host in made:
         await host.shutdown(0)
         await host.engine.shutdown()
-        host.engine.close()
+        if isinstance(host.engine, EngineClient):
+            await host.engine.aclose()
+        else:
+            host.engine.close()
 
 
 def _post(url: str, body: dict):
@@ -244,7 +251,8 @@ async def test_a_shutdown_during_admission_submits_nothing_and_every_client_hear
         assert info.value.code == "shutting_down"
     status, _, answer = await http
     assert status == 503 and answer["error"]["code"] == "shutting_down"
-    assert host.gateway.num_admitting == 0 and engine.num_unfinished == 0 and engine.cache.num_used_blocks == 0
+    assert host.gateway.num_admitting == 0 and engine.num_unfinished == 0
+    assert (await engine_stats(engine))["kv_blocks_used"] == 0
 
 
 async def _drain(events):
