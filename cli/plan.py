@@ -29,8 +29,10 @@ def add_plan_parser(sub) -> None:
     budget.add_argument("--kv-cache-memory-mb", type=int, metavar="MB",
                         help="the KV pool itself, as the engine flag of that name (default: the engine's)")
     p.add_argument("--block-size", type=int)
-    p.add_argument("--max-num-seqs", type=int, help="scheduler.max_num_seqs (logits rows)")
-    p.add_argument("--max-num-batched-tokens", type=int, help="scheduler.max_num_batched_tokens (the largest step)")
+    p.add_argument("--max-num-seqs", type=int,
+                   help="scheduler.max_num_seqs (logits rows; default: auto, as the engine picks it for the pool)")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help="scheduler.max_num_batched_tokens (the largest step; default: auto)")
     p.add_argument("--draft-model", metavar="MODEL",
                    help="count a draft model loaded beside it (--enable-decoder speculative): its weights and "
                         "KV pool; 'same' for the model itself (speculative's default draft)")
@@ -103,10 +105,11 @@ def render(p) -> str:
         f"  per request  {p.kv_bytes_per_request:>13,} B  {size(p.kv_bytes_per_request)} "
         f"({p.context} tokens = {p.blocks_per_request} blocks)",
         "",
-        f"overhead (an estimate; max_num_batched_tokens {p.max_num_batched_tokens}, max_num_seqs {p.max_num_seqs})",
+        f"overhead (an estimate; max_num_batched_tokens {oh.max_num_batched_tokens}, max_num_seqs {oh.max_num_seqs}"
+        f"{': the most auto may pick, the pool is sized after it' if p.kv_budget_source == 'memory' else ''})",
         f"  activations  {size(oh.activation_bytes):>11}  the largest step's live set in one layer",
         f"  attention    {size(oh.attention_bytes):>11}  scores of a prefill chunk over {p.context} tokens",
-        f"  logits       {size(oh.logits_bytes):>11}  {p.max_num_seqs} rows x {c.vocab_size} x 4 B",
+        f"  logits       {size(oh.logits_bytes):>11}  {oh.max_num_seqs} rows x {c.vocab_size} x 4 B",
         f"  rope         {size(oh.rope_bytes):>11}  cos/sin tables for {p.max_model_len} positions",
         f"  runtime      {size(oh.runtime_bytes):>11}  fixed allowance (CUDA context / torch runtime)",
         f"  total        {size(oh.total):>11}",
@@ -134,5 +137,8 @@ def render(p) -> str:
     ]
     if p.max_requests_paged > p.max_num_seqs:
         lines.append(f"  (scheduler.max_num_seqs {p.max_num_seqs} caps how many run at once)")
+    lines += ["", "scheduler limits (auto unless set: from this pool and this machine, as the engine picks them)",
+              f"  max_num_seqs            {p.max_num_seqs:>6}  {p.limits_reasons['max_num_seqs']}",
+              f"  max_num_batched_tokens  {p.max_num_batched_tokens:>6}  {p.limits_reasons['max_num_batched_tokens']}"]
     return "\n".join(lines)
 

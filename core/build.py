@@ -268,6 +268,16 @@ def _build_rest(config: EngineConfig, pm: PluginManager, loaded: LoadedRunner, e
     executor.allocate_kv_cache(num_blocks, e.kv_cache_dtype)
     cache: CacheManager = contracts.build(pm.get("cache_manager", config.cache_manager.name),
                                           config.cache_manager.options, num_blocks, e.block_size)
+    # scheduler.max_num_seqs / max_num_batched_tokens left at 0 (auto): from this pool and machine
+    from tokenloom.planner.serving import resolve_auto
+
+    options, chosen = resolve_auto(config.scheduler.options, num_blocks, e.block_size,
+                                   max_model_len=loaded.max_model_len, device_type=device.type,
+                                   cores=torch.get_num_threads())
+    if chosen is not None:
+        config.scheduler.options = options  # engine.config shows the values in force
+        log.info("scheduler_limits", scheduler=config.scheduler.name, max_num_seqs=options.max_num_seqs,
+                 max_num_batched_tokens=options.max_num_batched_tokens, why=chosen)
     scheduler: Scheduler = contracts.build(pm.get("scheduler", config.scheduler.name), config.scheduler.options,
                                            cache, config)
     per_request, disabled = per_request_decoders(config, pm)

@@ -18,6 +18,7 @@ from tokenloom.core.models.config import ModelConfig
 from tokenloom.core.runner import DTYPES, ModelRunner, pick_device, pick_dtype
 from tokenloom.core.utils import cdiv
 from tokenloom.planner.checkpoint import CheckpointInfo, GGUFTensorInfo, read_checkpoint
+from tokenloom.planner.serving import serving_defaults
 from tokenloom.planner.weights import (
     FORMATS,
     KNOWN_QUANTIZERS,
@@ -26,7 +27,6 @@ from tokenloom.planner.weights import (
     weight_rows,
 )
 from tokenloom.plugins.decoders.speculative import SpeculativeOptions
-from tokenloom.plugins.schedulers.continuous import ContinuousOptions
 
 __all__ = ["FORMATS", "KNOWN_QUANTIZERS", "CheckpointInfo", "GGUFTensorInfo", "MemoryPlan", "Overhead",
            "PlanOptions", "WeightRow", "num_params", "overhead", "plan", "read_checkpoint", "weight_rows"]
@@ -35,18 +35,22 @@ MiB, GiB = 1 << 20, 1 << 30
 #: A fixed allowance for the runtime itself: the CUDA context and allocator slack on a GPU,
 #: the interpreter and torch's own resident memory on a CPU. A round estimate, not measured.
 RUNTIME_OVERHEAD_BYTES = 512 * MiB
-_ENGINE, _SCHEDULER, _DRAFT = EngineOptions(), ContinuousOptions(), SpeculativeOptions()  # the defaults
+_ENGINE, _DRAFT = EngineOptions(), SpeculativeOptions()  # the defaults
+#: a pool too large to bind: serving_defaults then gives the machine's caps
+_UNBOUNDED_BLOCKS = 1 << 40
 
 
 @dataclass(slots=True)
 class Overhead:
-    """An estimate (see :func:`overhead`)."""
+    """An estimate (see :func:`overhead`), at the scheduler limits it names."""
 
     activation_bytes: int
     attention_bytes: int
     logits_bytes: int
     rope_bytes: int
     runtime_bytes: int
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
 
     @property
     def total(self) -> int:
@@ -69,14 +73,16 @@ def overhead(cfg: ModelConfig, dtype_bytes: int, *, max_num_batched_tokens: int,
     t = max_num_batched_tokens
     act = t * (2 * cfg.hidden_size * 4 + (cfg.q_size + 2 * cfg.kv_size) * 4 + 3 * cfg.intermediate_size * dtype_bytes)
     return Overhead(act, cfg.num_heads * t * context * 4, max_num_seqs * cfg.vocab_size * 4,
-                    2 * max_model_len * cfg.head_dim * 4, RUNTIME_OVERHEAD_BYTES)
+                    2 * max_model_len * cfg.head_dim * 4, RUNTIME_OVERHEAD_BYTES, max_num_seqs, max_num_batched_tokens)
 
 
 @dataclass(frozen=True, slots=True)
 class PlanOptions:
     """What to plan for; defaults are the engine's (EngineOptions, ContinuousOptions).
     ``dtype`` ``auto`` resolves as the engine does on this machine. The KV pool: ``memory``
-    (GiB for weights + overhead + KV), else ``kv_cache_memory_mb``, else the engine's default."""
+    (GiB for weights + overhead + KV), else ``kv_cache_memory_mb``, else the engine's default.
+    ``max_num_seqs`` / ``max_num_batched_tokens`` 0: auto, as the engine picks them for the
+    pool on this machine (planner/serving.py)."""
 
     quantizer: str | None = None
     dtype: str = "auto"
@@ -86,8 +92,8 @@ class PlanOptions:
     max_model_len: int = 0  # 0: the model's context length
     memory: float | None = None
     kv_cache_memory_mb: int | None = None
-    max_num_seqs: int = _SCHEDULER.max_num_seqs
-    max_num_batched_tokens: int = _SCHEDULER.max_num_batched_tokens
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -116,8 +122,10 @@ class MemoryPlan:
     max_requests_paged: int
     max_requests_contiguous: int
     paged_over_contiguous: float | None
-    max_num_seqs: int
+    max_num_seqs: int  # in force: as given, or what the engine would pick for this pool (auto)
     max_num_batched_tokens: int
+    # why each limit is what it is: "set", or the auto rule's reason ("KV pool holds ...")
+    limits_reasons: dict[str, str]
     memory_bytes: int | None = None
     # a draft model (`--enable-decoder speculative`): its weights as its quantizer holds them
     # plus its own KV pool (speculative's draft_num_kv_blocks), loaded at start-up beside the model
@@ -168,7 +176,7 @@ def plan(info: CheckpointInfo, opts: PlanOptions = PlanOptions(), draft: Checkpo
     :raises ClientError: naming the option at fault (``param``).
     """
     for param, low in (("block_size", 1), ("context", 1), ("max_model_len", 0), ("kv_cache_memory_mb", 1),
-                       ("max_num_seqs", 1), ("max_num_batched_tokens", 1)):
+                       ("max_num_seqs", 0), ("max_num_batched_tokens", 0)):
         _at_least(param, getattr(opts, param), low)
     if opts.memory is not None and not opts.memory > 0:
         raise ClientError.bad_value("memory", opts.memory, "> 0 (GiB)")
@@ -189,8 +197,20 @@ def plan(info: CheckpointInfo, opts: PlanOptions = PlanOptions(), draft: Checkpo
     weights = next(r for r in rows if r.selected).bytes
     layout = kv_layout()
     kv_token = ModelRunner.kv_bytes_per_token(layout, cfg, dtype, opts.kv_cache_dtype)
-    oh = overhead(cfg, db, max_num_batched_tokens=opts.max_num_batched_tokens, max_num_seqs=opts.max_num_seqs,
-                  context=context, max_model_len=max_len)
+    device_type, cores = pick_device("auto").type, torch.get_num_threads()
+
+    def limits(num_blocks: int) -> tuple[int, int, dict[str, str]]:
+        """The scheduler limits for a pool of ``num_blocks``: given, else the engine's auto rule."""
+        auto = serving_defaults(num_blocks=num_blocks, block_size=bs, max_model_len=max_len,
+                                device_type=device_type, cores=cores)
+        seqs, toks = opts.max_num_seqs or auto.max_num_seqs, opts.max_num_batched_tokens or auto.max_num_batched_tokens
+        return seqs, toks, {"max_num_seqs": "set" if opts.max_num_seqs else auto.seqs_reason,
+                            "max_num_batched_tokens": "set" if opts.max_num_batched_tokens else auto.tokens_reason}
+
+    # With --memory the pool is what the overhead leaves, so the overhead is estimated at the
+    # most the auto rule may pick (the machine's caps); otherwise at what it picks for the pool.
+    seqs, toks, _ = limits(_UNBOUNDED_BLOCKS)
+    oh = overhead(cfg, db, max_num_batched_tokens=toks, max_num_seqs=seqs, context=context, max_model_len=max_len)
     memory_bytes = None
     extra = draft_bytes(draft, opts) if draft is not None else 0
     if opts.memory is not None:
@@ -208,6 +228,9 @@ def plan(info: CheckpointInfo, opts: PlanOptions = PlanOptions(), draft: Checkpo
     else:
         kv_mb, source = _ENGINE.kv_cache_memory_mb, "default"
     num_blocks = ModelRunner.num_blocks_for(layout, cfg, dtype, bs, kv_mb, opts.kv_cache_dtype)
+    seqs, toks, why = limits(num_blocks)
+    if opts.memory is None:
+        oh = overhead(cfg, db, max_num_batched_tokens=toks, max_num_seqs=seqs, context=context, max_model_len=max_len)
     per_req, per_req_contig = cdiv(context, bs), cdiv(max_len, bs)
     paged, contiguous = num_blocks // per_req, num_blocks // per_req_contig
     return MemoryPlan(
@@ -219,5 +242,5 @@ def plan(info: CheckpointInfo, opts: PlanOptions = PlanOptions(), draft: Checkpo
         contiguous_blocks_per_request=per_req_contig, overhead=oh, kv_budget_source=source,
         kv_cache_memory_mb=kv_mb, num_kv_blocks=num_blocks, max_requests_paged=paged,
         max_requests_contiguous=contiguous, paged_over_contiguous=paged / contiguous if contiguous else None,
-        max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=opts.max_num_batched_tokens,
+        max_num_seqs=seqs, max_num_batched_tokens=toks, limits_reasons=why,
         memory_bytes=memory_bytes, draft_model=draft.name if draft is not None else None, draft_bytes=extra)

@@ -21,7 +21,8 @@ def test_defaults(pm):
     cfg = build_config(pm)
     assert cfg.selection() == {"scheduler": "continuous", "cache_manager": "paged", "decoder": "standard",
                                "backend": "torch", "quantizer": None}
-    assert cfg.scheduler.options.max_num_seqs == 64
+    # 0: auto, chosen at start-up from the KV pool and the machine (tests/test_scheduler_defaults.py)
+    assert cfg.scheduler.options.max_num_seqs == cfg.scheduler.options.max_num_batched_tokens == 0
 
 
 def test_precedence_kwargs_over_flags_over_file(pm):

@@ -45,7 +45,9 @@ def test_forced_preemption_is_invisible(tiny_model_dir, make_llm, cache):
     checker = IntegrityChecker()
     # 12 blocks of 16 tokens: at most ~3 sequences of <= 80 tokens at once, so running ones
     # are preempted (paged) or wait for a whole reservation (contiguous).
-    llm = LLM(**tiny_engine_kwargs(tiny_model_dir, num_kv_blocks=12, cache_manager=cache),
+    # max_num_seqs set: auto would fit it to the small pool and avoid the preemption tested here
+    llm = LLM(**tiny_engine_kwargs(tiny_model_dir, num_kv_blocks=12, cache_manager=cache,
+                                   scheduler={"max_num_seqs": 64}),
               plugin_manager=PluginManager(extra=[checker]))
     checker.engine = llm.engine
     try:

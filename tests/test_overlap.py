@@ -72,8 +72,10 @@ async def test_outputs_identical_with_overlap_on_and_off(tiny_model_dir, num_kv_
     text_before_stop_id = texts[j - 1]
     got = {}
     for overlap in (False, True):
+        # max_num_seqs set: auto would fit it to the small pool and avoid the preemption tested here
         engine = AsyncEngine.from_options(**tiny_engine_kwargs(tiny_model_dir, overlap=overlap,
-                                                               num_kv_blocks=num_kv_blocks, block_size=4))
+                                                               num_kv_blocks=num_kv_blocks, block_size=4,
+                                                               scheduler={"max_num_seqs": 64}))
         try:
             got[overlap] = await _run_all(engine, prompts, params)
             assert engine.cache.stats().num_used_blocks == 0

@@ -283,8 +283,9 @@ def test_arrival_guard_bounds_best_effort_steps_while_targeted_requests_arrive()
 
 
 @pytest.mark.parametrize("make, victim", [
-    (lambda cache: ContinuousScheduler(None, cache), "chat"),  # the newest
-    (lambda cache: SloScheduler(None, cache), "batch"),  # the best-effort one, though older
+    # max_num_seqs set: auto would fit it to the 6-block pool (one at a time) and never preempt
+    (lambda cache: ContinuousScheduler(ContinuousOptions(max_num_seqs=8), cache), "chat"),  # the newest
+    (lambda cache: SloScheduler(SloOptions(max_num_seqs=8), cache), "batch"),  # the best-effort one, though older
 ], ids=["continuous", "slo"])
 def test_preemption_takes_best_effort_before_targeted_work(make, victim):
     sched = make(PagedCacheManager(None, 6, 16))  # 96 token slots
@@ -386,7 +387,7 @@ def test_mixed_run_with_preemption_ends_every_request_once_and_frees_every_block
         def step_finished(self, stats):
             llm.engine.cache.check_integrity()
 
-    llm = make_llm(scheduler={"name": "slo", "max_num_batched_tokens": 48}, num_kv_blocks=14,
+    llm = make_llm(scheduler={"name": "slo", "max_num_batched_tokens": 48, "max_num_seqs": 64}, num_kv_blocks=14,
                    plugin_manager=PluginManager(load_entry_points=False, extra=[Integrity()]))
     rng = random.Random(3)
     jobs = []
@@ -421,7 +422,9 @@ def test_mixed_run_with_preemption_ends_every_request_once_and_frees_every_block
 
 def test_drafts_and_preemption_under_slo_keep_greedy_output(make_llm):
     # 24 blocks of 4 tokens for 6 sequences of up to 57 tokens: preemption is certain.
-    llm = make_llm(num_kv_blocks=24, block_size=4, scheduler="slo", decoder={"name": "ngram", "prompt_lookup_min": 1})
+    # max_num_seqs set: auto would fit it to the small pool and avoid the preemption tested here
+    llm = make_llm(num_kv_blocks=24, block_size=4, scheduler={"name": "slo", "max_num_seqs": 64},
+                   decoder={"name": "ngram", "prompt_lookup_min": 1})
     prompts = ["ab" * 8 + str(i) for i in range(6)]
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
                              **({"slo_class": "interactive"} if i % 2 else {})) for i in range(6)]

@@ -128,8 +128,10 @@ def test_mixed_batch_gives_each_request_its_tokens_alone(make_llm):
 def test_speculative_mixed_batch_preemption_and_draft_blocks(make_llm):
     """A request-chosen draft-model decoder beside standard and n-gram ones, under preemption:
     the same greedy tokens as a roomy standard engine, and both KV pools empty afterwards."""
+    # max_num_seqs set: auto would fit it to the small pool and avoid the preemption tested here
     llm = make_llm(num_kv_blocks=24, block_size=4, decoder={"name": "speculative", "draft_num_layers": 1,
-                                                            "draft_quantizer": "none", "draft_num_kv_blocks": 64})
+                                                            "draft_quantizer": "none", "draft_num_kv_blocks": 64},
+                   scheduler={"max_num_seqs": 64})
     prompts = ["ab" * 8 + str(i) for i in range(6)]
     names = ["speculative", "standard", "ngram", "speculative", "speculative", "standard"]
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, decoder=n) for n in names]
@@ -155,7 +157,9 @@ def test_unknown_decoder_is_refused_naming_the_known_ones(make_llm):
 
 def test_preemption_mid_speculation_loses_nothing(make_llm):
     # 24 blocks of 4 tokens for 6 sequences of up to 60 tokens: preemption is certain.
-    llm = make_llm(num_kv_blocks=24, block_size=4, decoder={"name": "ngram", "prompt_lookup_min": 1})
+    # max_num_seqs set: auto would fit it to the small pool and avoid the preemption tested here
+    llm = make_llm(num_kv_blocks=24, block_size=4, decoder={"name": "ngram", "prompt_lookup_min": 1},
+                   scheduler={"max_num_seqs": 64})
     prompts = ["ab" * 8 + str(i) for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     outs = llm.generate(prompts, params)

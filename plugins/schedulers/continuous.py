@@ -20,16 +20,30 @@ from tokenloom.plugins.schedulers.base import QueueScheduler
 
 
 class ContinuousOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    # 0 = auto: chosen at start-up from the KV pool and the machine (planner/serving.py)
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
     enable_chunked_prefill: bool = True
+
+    def __post_init__(self):
+        for key in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, key)
+            if value < 0:
+                raise ConfigError(f"scheduler.{key} must be >= 1, or 0 for auto (chosen from the KV pool "
+                                  f"and the machine); got {value}")
 
 
 class ContinuousScheduler(QueueScheduler):
     def __init__(self, options: ContinuousOptions | None, cache, engine_config=None):
         options = options or ContinuousOptions()
+        if options.max_num_seqs == 0 or options.max_num_batched_tokens == 0:
+            # built outside the engine (which resolves them first, knowing max_model_len and
+            # the device): the same rule, from this cache's pool and what engine_config says
+            from tokenloom.planner.serving import resolve_auto
+
+            options, _ = resolve_auto(options, cache.num_blocks, cache.block_size, **_machine(engine_config))
         if options.max_num_seqs < 1 or options.max_num_batched_tokens < 1:
-            raise ConfigError("scheduler.max_num_seqs and scheduler.max_num_batched_tokens must be >= 1")
+            raise ConfigError("scheduler.max_num_seqs and scheduler.max_num_batched_tokens must be >= 1 (0: auto)")
         super().__init__(cache, options.max_num_seqs)
         self.token_budget = options.max_num_batched_tokens
         self.chunked = options.enable_chunked_prefill
@@ -108,6 +122,23 @@ class ContinuousScheduler(QueueScheduler):
         self.running.append(seq)
         self._add_to_batch(batch, seq, n)
         return n
+
+    def stats(self) -> dict[str, float]:
+        """The limits in force (the auto ones as chosen at start-up): engine.stats() and
+        /health show them as ``scheduler_max_num_seqs``, ``scheduler_max_num_batched_tokens``."""
+        return {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.token_budget}
+
+
+def _machine(engine_config) -> dict:
+    """What a scheduler built without the engine knows of the machine: the configured device
+    (``auto``: CUDA when there is one) and torch's threads; max_model_len when it is set."""
+    import torch
+
+    e = getattr(engine_config, "engine", None)
+    device = e.device if e is not None else "auto"
+    kind = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device).type
+    return {"max_model_len": (e.max_model_len or None) if e is not None else None, "device_type": kind,
+            "cores": torch.get_num_threads()}
 
 
 @hookimpl

@@ -275,7 +275,8 @@ class SloScheduler(ContinuousScheduler):
         return self.counts.setdefault(name, dict.fromkeys(SLO_OUTCOMES, 0))
 
     def stats(self) -> dict[str, float]:
-        out: dict[str, float] = {slo_stat_key(cls, k): v for cls, c in self.counts.items() for k, v in c.items()}
+        out = super().stats()  # the limits in force
+        out.update({slo_stat_key(cls, k): v for cls, c in self.counts.items() for k, v in c.items()})
         a, e, b, c, d = self.cost.coef if self.cost.ready else (0.0,) * 5
         out.update(cost_base_ms=a * 1e3, cost_prefill_step_ms=e * 1e3, cost_prefill_token_us=b * 1e6,
                    cost_decode_us=c * 1e6, cost_kv_token_ns=d * 1e9)
