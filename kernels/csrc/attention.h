@@ -46,7 +46,22 @@ static inline float vec_exp(float x) {
 // 3x), or 0 for any other head dim (read from D).
 typedef float vf16 __attribute__((vector_size(64)));  // GCC/Clang vectors: AVX-512, or split for AVX2
 
-template <typename T, int DC>
+// The n keys (or values) from token t0 of KV head g as float32 rows in kf: block j of a block
+// table, or (SLOTS) entries t0.. of a list of flat slots (block * BS + offset), row by row.
+// The conversion is exact, so both give the same kf for the same tokens.
+template <typename T, bool SLOTS>
+static inline void load_rows(const T* base, int64_t g, int64_t NB, int64_t BS, int64_t D, const int64_t* table,
+                             int64_t j, int64_t t0, int64_t n, float* kf) {
+  if constexpr (SLOTS) {
+    for (int64_t o = 0; o < n; ++o) row_to_float(base + (g * NB * BS + table[t0 + o]) * D, kf + o * D, D);
+  } else {
+    row_to_float(base + (g * NB + table[j]) * BS * D, kf, n * D);
+  }
+}
+
+// `table`: the sequence's block table, or (SLOTS) its list of key slots; either way the keys are
+// taken in groups of BS in order, so a token list gives the arithmetic of the blocks it spells.
+template <typename T, int DC, bool SLOTS = false>
 static void attend_impl(const float* qf, const T* kp, const T* vp, int64_t g, int64_t NB, int64_t BS, int64_t Drt,
                         const int64_t* table, int64_t L, int64_t G, std::vector<float>& scores, float* kf,
                         float* acc) {
@@ -54,7 +69,7 @@ static void attend_impl(const float* qf, const T* kp, const T* vp, int64_t g, in
   scores.resize(G * L);
   for (int64_t j = 0, t0 = 0; t0 < L; ++j, t0 += BS) {
     const int64_t n = L - t0 < BS ? L - t0 : BS;
-    row_to_float(kp + (g * NB + table[j]) * BS * D, kf, n * D);
+    load_rows<T, SLOTS>(kp, g, NB, BS, D, table, j, t0, n, kf);
     for (int64_t h = 0; h < G; ++h) {
       const float* __restrict__ qh = qf + h * D;
       float* sh = scores.data() + h * L + t0;
@@ -125,7 +140,7 @@ static void attend_impl(const float* qf, const T* kp, const T* vp, int64_t g, in
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t j = 0, t0 = 0; t0 < L; ++j, t0 += BS) {
     const int64_t n = L - t0 < BS ? L - t0 : BS;
-    row_to_float(vp + (g * NB + table[j]) * BS * D, kf, n * D);
+    load_rows<T, SLOTS>(vp, g, NB, BS, D, table, j, t0, n, kf);
     for (int64_t h = 0; h < G; ++h) {
       const float* __restrict__ ph = scores.data() + h * L + t0;
       float* __restrict__ ah = acc + h * D;
@@ -158,12 +173,12 @@ static void attend_impl(const float* qf, const T* kp, const T* vp, int64_t g, in
   }
 }
 
-template <typename T>
+template <typename T, bool SLOTS = false>
 static void attend(const float* qf, const T* kp, const T* vp, int64_t g, int64_t NB, int64_t BS, int64_t D,
                    const int64_t* table, int64_t L, int64_t G, std::vector<float>& scores, float* kf, float* acc) {
-  if (D == 64) return attend_impl<T, 64>(qf, kp, vp, g, NB, BS, D, table, L, G, scores, kf, acc);
-  if (D == 128) return attend_impl<T, 128>(qf, kp, vp, g, NB, BS, D, table, L, G, scores, kf, acc);
-  attend_impl<T, 0>(qf, kp, vp, g, NB, BS, D, table, L, G, scores, kf, acc);
+  if (D == 64) return attend_impl<T, 64, SLOTS>(qf, kp, vp, g, NB, BS, D, table, L, G, scores, kf, acc);
+  if (D == 128) return attend_impl<T, 128, SLOTS>(qf, kp, vp, g, NB, BS, D, table, L, G, scores, kf, acc);
+  attend_impl<T, 0, SLOTS>(qf, kp, vp, g, NB, BS, D, table, L, G, scores, kf, acc);
 }
 
 // Small work (batch 1, a short context) runs on the calling thread: a parallel region costs more.
@@ -276,6 +291,88 @@ inline at::Tensor decode_layer_attention(at::Tensor qkv, at::Tensor cos, at::Ten
         for (auto& v : qf) v *= static_cast<float>(scale);
         attend(qf.data(), kp, vp, g, NB, BS, D, bt + b * MB, lens[b], G, scores, kf.data(), acc.data());
         for (int64_t e = 0; e < G * D; ++e) op[b * H * D + g * G * D + e] = static_cast<scalar_t>(acc[e]);
+      }
+    });
+  });
+  return out;
+}
+
+// Attention of each query over its own list of key slots, with the arithmetic of the decode
+// attention above: the batch-invariant mode (backends/torch_backend.py) runs every query of a
+// step through it, decode rows, prompt chunks and draft (tree) rows alike, so a query's result
+// depends on its q and the keys it sees, never on what else the step holds or on where a
+// prompt was split. q [T, H, D]; slot_rows [R, W] int64 flat slots (block * BS + offset);
+// q_row, q_len [T] int64: query t attends to the first q_len[t] slots of row q_row[t] (a
+// prompt's queries share one row, each with its causal length). Returns [T, H, D] like q.
+inline at::Tensor slot_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_rows,
+                                 at::Tensor q_row, at::Tensor q_len, double scale) {
+  RECORD_FUNCTION("tokenloom::slot_attention", std::vector<c10::IValue>());
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == k_cache.scalar_type(), "q [T, H, D] in the caches' dtype");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [KVH, NB, BS, D] alike");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "contiguous caches of one dtype");
+  TORCH_CHECK(slot_rows.dim() == 2 && slot_rows.scalar_type() == at::kLong && slot_rows.is_contiguous(),
+              "slot_rows: contiguous int64 [R, W]");
+  TORCH_CHECK(q_row.scalar_type() == at::kLong && q_len.scalar_type() == at::kLong && q_row.is_contiguous() &&
+              q_len.is_contiguous() && q_row.numel() == q.size(0) && q_len.numel() == q.size(0),
+              "q_row, q_len: contiguous int64 [T]");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && q.size(2) == k_cache.size(3), "head counts or sizes disagree");
+  auto qc = q.contiguous();
+  auto out = at::empty_like(qc);
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2), G = H / KVH;
+  const int64_t R = slot_rows.size(0), W = slot_rows.size(1);
+  const int64_t* rows = q_row.data_ptr<int64_t>();
+  const int64_t* lens = q_len.data_ptr<int64_t>();
+  const int64_t* sp = slot_rows.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(rows[t] >= 0 && rows[t] < R && lens[t] >= 1 && lens[t] <= W, "query ", t, ": row ", rows[t],
+                " / length ", lens[t], " outside slot_rows [", R, ", ", W, "]");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "slot_attention", [&] {
+    const scalar_t* qp = qc.data_ptr<scalar_t>();
+    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T * KVH, grain_for(lens, T, KVH, D), [&](int64_t begin, int64_t end) {
+      std::vector<float> qf(G * D), acc(G * D), scores, kf(BS * D);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t t = i / KVH, g = i % KVH;
+        row_to_float(qp + (t * H + g * G) * D, qf.data(), G * D);
+        for (auto& x : qf) x *= static_cast<float>(scale);
+        attend<scalar_t, true>(qf.data(), kp, vp, g, NB, BS, D, sp + rows[t] * W, lens[t], G, scores, kf.data(),
+                               acc.data());
+        for (int64_t x = 0; x < G * D; ++x) op[(t * H + g * G) * D + x] = static_cast<scalar_t>(acc[x]);
+      }
+    });
+  });
+  return out;
+}
+
+// SwiGLU's silu(gate) * up, row by row: gate, up [T, F] (rows may be strided views, e.g. the
+// halves of the fused gate/up projection), any float dtype; computed in float32 and rounded
+// once to their dtype. Every row runs the same loop, so a row's values do not depend on the
+// row count (torch's elementwise ops split a large tensor between threads at arbitrary
+// points, and a piece's last elements take a scalar path whose exp rounds differently).
+inline at::Tensor silu_mul(at::Tensor gate, at::Tensor up) {
+  RECORD_FUNCTION("tokenloom::silu_mul", std::vector<c10::IValue>());
+  TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() && up.scalar_type() == gate.scalar_type(),
+              "gate, up: [T, F] alike");
+  TORCH_CHECK(gate.stride(1) == 1 && up.stride(1) == 1, "gate, up: contiguous rows");
+  const int64_t T = gate.size(0), F = gate.size(1), gs = gate.stride(0), us = up.stride(0);
+  auto out = at::empty({T, F}, gate.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "silu_mul", [&] {
+    const scalar_t* gp = gate.data_ptr<scalar_t>();
+    const scalar_t* upp = up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, T * F < (1 << 15) ? T : 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> g(F), u(F);
+      for (int64_t r = begin; r < end; ++r) {
+        row_to_float(gp + r * gs, g.data(), F);
+        row_to_float(upp + r * us, u.data(), F);
+_Pragma("omp simd")  // (a #pragma cannot stand inside the dispatch macro's argument)
+        for (int64_t i = 0; i < F; ++i) g[i] = g[i] / (1.f + vec_exp(-g[i])) * u[i];
+        for (int64_t i = 0; i < F; ++i) op[r * F + i] = static_cast<scalar_t>(g[i]);
       }
     });
   });

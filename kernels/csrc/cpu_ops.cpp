@@ -121,6 +121,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("decode_layer_attention", &decode_layer_attention);
   m.def("add_rms_norm", &add_rms_norm);
+  m.def("slot_attention", &slot_attention);
+  m.def("silu_mul", &silu_mul);
   py::class_<StepLinear, std::shared_ptr<StepLinear>>(m, "StepLinear")
       .def(py::init<int64_t, at::Tensor, at::Tensor, int64_t, int64_t, std::shared_ptr<StepLinear>>());
   py::class_<DecodeStep>(m, "DecodeStep")
