@@ -24,7 +24,7 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
-from tokenloom.backends.torch_linear import pack, step_linear
+from tokenloom.backends.torch_linear import Int4Linear, Int8Linear, pack, step_linear
 from tokenloom.core.attention import AttentionInputs, apply_rope
 from tokenloom.core.hookspecs import hookimpl
 from tokenloom.core.interfaces import DecodeModel
@@ -46,6 +46,9 @@ class TorchBackendOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
     # (kernels/cpu_ops.py, built on first use); "torch" gathers each context with
     # torch ops; "auto" takes fused where it builds, else torch.
     decode_attention: str = "auto"
+    # The batch-invariant mode (set from the engine's ``batch_invariant`` by core/build.py): a
+    # row's result does not depend on the step's other rows (see TorchBackend.__init__).
+    batch_invariant: bool = False
 
 
 @dataclass(slots=True)
@@ -57,6 +60,9 @@ class TorchAttnMeta:
     prefills: list  # (q_start, q_end, blocks [n] or None, context_len, mask [q, ctx] or None)
     decode_tables: torch.Tensor | None = None  # [B, max_blocks] (the fused op's block tables)
     decode_lens: torch.Tensor | None = None  # [B] context lengths (the fused op's)
+    # the batch-invariant mode's attention inputs: (slot_rows [R, W], q_row [T], q_len [T]),
+    # every query of the step (kernels/csrc/attention.h ``slot_attention``)
+    slots: tuple | None = None
 
 
 KV_STORAGE = {"fp8": (torch.float8_e4m3fn, 448.0), "int8": (torch.int8, 127.0)}  # dtype, qmax
@@ -170,6 +176,49 @@ class TorchBackend:
                 raise ConfigError("backend.decode_attention = fused, but the C++ op could not be built: "
                                   f"{cpu_ops.unavailable_reason()}")
         self.decode_attention = "fused" if self.fused_decode is not None else "torch"
+        self.batch_invariant = options.batch_invariant
+        if self.batch_invariant:
+            self._check_batch_invariant(options)
+
+    def _check_batch_invariant(self, options: TorchBackendOptions) -> None:
+        """The batch-invariant mode: every row of a step takes the same kernels, whose reduction
+        order does not depend on how many rows the step has:
+
+        - matmuls: the int4 / int8 kernels at every row count (``quant_max_rows`` 0, no dense
+          copy): their per-row results are the same bit for bit at 1 to 2,310 rows, where
+          MKL's and oneDNN's dense GEMMs change with the row count (so a dense weight is
+          refused at load, ``pack_linear``);
+        - attention: one C++ kernel per query over its own list of key slots
+          (``slot_attention``) for decode rows, prompt chunks and draft rows alike, keys taken
+          in blocks of ``block_size`` in order, a float32 softmax;
+        - the norms (the C++ ``add_rms_norm``, also for the final norm) and SwiGLU (the C++
+          ``silu_mul``) row by row; RoPE and the residual adds are elementwise;
+        - the captured step and the fused decode-attention op are off (their RoPE is C++'s).
+
+        What it cannot make invariant is refused here with a ConfigError naming it."""
+        from tokenloom.core.errors import ConfigError
+
+        if self.device.type != "cpu":
+            raise ConfigError(f"batch_invariant: the torch backend's invariant mode runs on CPU only, not on "
+                              f"device {str(self.device)!r} (its kernels are the C++ CPU ops)")
+        if options.quant_max_rows > 0:
+            raise ConfigError(f"batch_invariant: backend.quant_max_rows = {options.quant_max_rows} sends matmuls "
+                              "over more rows to a dense copy; the mode keeps the quantised kernels at every row "
+                              "count (leave it at -1 or set 0)")
+        if options.decode_attention == "torch":
+            raise ConfigError("batch_invariant: backend.decode_attention = torch; the mode's attention is the "
+                              "C++ op (leave it at auto)")
+        self.quant_max_rows = 0
+        if self.fused_decode is None:
+            from tokenloom.kernels import cpu_ops
+
+            raise ConfigError("batch_invariant: the mode needs the C++ CPU ops (kernels/cpu_ops.py), which "
+                              f"could not be built: {cpu_ops.unavailable_reason()}")
+        import structlog
+
+        structlog.get_logger("tokenloom.backend").info(
+            "batch_invariant", matmuls="int4/int8 kernels at every row count", attention="slot_attention (C++)",
+            captured_step="off", fused_decode_attention="off")
 
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                           head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> list[tuple]:
@@ -178,6 +227,11 @@ class TorchBackend:
         # Zeroed, not empty: padded decode rows read (and mask) unwritten slots, and
         # 0 * NaN from uninitialised memory would poison the probability-weighted sum.
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        if self.batch_invariant and kv_cache_dtype != "auto":
+            from tokenloom.core.errors import ConfigError
+
+            raise ConfigError(f"batch_invariant: kv_cache_dtype = {kv_cache_dtype} is not supported by the mode's "
+                              "attention (it reads plain pools of the model dtype)")
         if kv_cache_dtype == "auto":
             return [(torch.zeros(shape, dtype=dtype, device=self.device),
                      torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(num_layers)]
@@ -214,6 +268,8 @@ class TorchBackend:
         them; per prefill span its blocks and, when it has a cached part or a tree, a mask."""
         dev, bs = self.device, inp.block_size
         t = inp.tensors(dev)
+        if self.batch_invariant:
+            return TorchAttnMeta(inp.slot_mapping, None, None, None, [], slots=_query_slots(inp, t))
         decode_rows = decode_blocks = decode_bias = decode_tables = decode_lens = None
         if t.decode_rows is not None:
             decode_rows, decode_tables, decode_lens = t.decode_rows, t.decode_block_tables, t.decode_context_lens
@@ -278,6 +334,8 @@ class TorchBackend:
 
     def attention(self, q, k, v, k_cache, v_cache, meta: TorchAttnMeta, scale: float):
         """q: [T, H, D]; k, v: [T, KVH, D] (this step's); returns [T, H, D]."""
+        if meta.slots is not None:  # the batch-invariant mode: every query alike
+            return self.fused_decode.slot_attention(q, k_cache, v_cache, *meta.slots, scale)
         if not meta.prefills and meta.decode_rows is not None and meta.decode_rows.numel() == q.shape[0]:
             return self._decode_any(q, k_cache, v_cache, meta, scale)  # a pure decode step: rows in order
         out = torch.empty_like(q)
@@ -307,7 +365,7 @@ class TorchBackend:
         """A pure decode step with the fused op: RoPE, the KV write and attention in one C++
         call per layer (kernels/cpu_ops.py). None where it does not apply (a
         prefill in the step, 8-bit KV, no fused op): the model then calls the ops one by one."""
-        if (self.fused_decode is None or meta.decode_tables is None or meta.prefills
+        if (self.fused_decode is None or meta.decode_tables is None or meta.prefills or meta.slots is not None
                 or isinstance(k_cache, QuantizedKV) or qkv.dtype != k_cache.dtype
                 or meta.decode_rows.numel() != qkv.shape[0]):
             return None
@@ -348,12 +406,16 @@ class TorchBackend:
         return apply_rope(x, cos, sin)
 
     def rms_norm(self, x, weight, eps: float):
+        if self.batch_invariant and x.dim() == 2:  # row by row, as add_rms_norm (x is not changed)
+            return self.fused_decode.add_rms_norm(x.float().contiguous(), None, weight, eps, torch.float32)
         return F.rms_norm(x.float(), (x.shape[-1],), weight, eps)
 
     def add_rms_norm(self, h, delta, weight, eps: float, dtype):
         """The residual stream ``h`` (float32) plus ``delta`` (None: nothing to add), and its
         RMSNorm in ``dtype``: returns ``(x, h + delta)``. With the C++ ops one call, updating
         ``h`` in place (the model owns it); else add, norm and cast as three torch ops."""
+        if self.batch_invariant:
+            h = h.contiguous()
         if self.fused_decode is not None and h.dtype == torch.float32 and h.dim() == 2 and h.is_contiguous():
             return self.fused_decode.add_rms_norm(h, delta, weight, eps, dtype), h
         if delta is not None:
@@ -363,18 +425,30 @@ class TorchBackend:
     def pack_linear(self, spec, dtype):
         """Called once per matmul at load time: the LinearWeight this machine computes it
         with (backends/torch_linear.py says which kernel for which spec)."""
-        return pack(spec, dtype, cpu_linear=self.cpu_linear, quant_max_rows=self.quant_max_rows,
-                    int8_regroup=self.int8_regroup)
+        lw = pack(spec, dtype, cpu_linear=self.cpu_linear, quant_max_rows=self.quant_max_rows,
+                  int8_regroup=self.int8_regroup)
+        if self.batch_invariant and not isinstance(lw, (Int4Linear, Int8Linear)):
+            from tokenloom.core.errors import ConfigError
+
+            raise ConfigError(f"batch_invariant: a {lw.out_features}x{lw.in_features} matmul would run "
+                              f"{lw.kernel}, a dense GEMM whose per-row result changes with the row count; the "
+                              "mode needs 4-bit or 8-bit weights (the embedded GGUF as it is, or --quantizer "
+                              "int8 / rtn, or a GPTQ / AWQ checkpoint)")
+        return lw
 
     def silu_mul(self, gate, up):
-        # (a C++ silu*up measured 2-6x slower than these two vectorised torch ops: not used)
+        # (a C++ silu*up measured 2-6x slower than these two vectorised torch ops: used only
+        # in the batch-invariant mode, where torch's split of a large tensor between threads
+        # would make an element's rounding depend on the row count)
+        if self.batch_invariant and gate.dim() == 2:
+            return self.fused_decode.silu_mul(gate, up)
         return F.silu(gate) * up
 
     def capture_decode(self, model: DecodeModel) -> CppDecodeStep | None:
         """On CPU with the C++ ops built: the whole decode step in one C++ call
         (kernels/cpu_ops.py ``DecodeStep``), the same ops in the same order as the model's
         Python, so the same output. None where a weight's kernel has no C++ mirror."""
-        if self.fused_decode is None:
+        if self.fused_decode is None or self.batch_invariant:  # (the mode: logged at start-up)
             return None
         ops = self.fused_decode
         layers = []
@@ -421,6 +495,55 @@ def _padded_decode(meta: TorchAttnMeta, block_size: int) -> TorchAttnMeta:
             .masked_fill_(~valid, float("-inf"))[:, None, :]
         meta.decode_blocks = tables.reshape(-1)
     return meta
+
+
+def _query_slots(inp: AttentionInputs, t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batch-invariant mode's attention inputs: for each query (row) of the step, the flat
+    KV slots it attends to, in position order, as ``(slot_rows [R, W], q_row [T], q_len [T])``:
+    a decode row its sequence's slots; a prompt chunk's (or a linear draft's) queries share
+    their span's row, each with its causal length; a draft tree's node gets its own row, the
+    context before the tree and then the lookahead slots of its ancestors and itself, so that
+    it sees the same keys in the same order as the token would at its depth in a plain
+    decode."""
+    bs = inp.block_size
+    T = int(inp.slot_mapping.numel())
+    q_row = torch.empty(T, dtype=torch.long)
+    q_len = torch.empty(T, dtype=torch.long)
+    parts: list[torch.Tensor] = []  # blocks of rows [n, width]
+    num_rows = 0
+    offsets = torch.arange(bs, dtype=torch.long)
+    if t.decode_rows is not None:
+        tables = t.decode_block_tables
+        parts.append((tables[:, :, None] * bs + offsets).reshape(tables.shape[0], -1))
+        q_row[t.decode_rows] = torch.arange(tables.shape[0])
+        q_len[t.decode_rows] = t.decode_context_lens
+        num_rows = tables.shape[0]
+    for i, span in enumerate(inp.prefills):
+        blocks = t.prefill_block_tables[i, :(span.context_len + bs - 1) // bs]
+        base = (blocks[:, None] * bs + offsets).reshape(-1)[:span.context_len]
+        k = len(span.tree_parents) if span.tree_parents else 0
+        causal = span.q_len - k  # rows before the tree (all of them without one)
+        q_row[span.q_start:span.q_start + causal] = num_rows
+        q_len[span.q_start:span.q_start + causal] = torch.arange(span.context_len - span.q_len + 1,
+                                                                 span.context_len - k + 1)
+        parts.append(base[None])
+        num_rows += 1
+        if k:
+            before = span.context_len - k
+            for node in range(k):
+                path = [node]
+                while span.tree_parents[path[-1]] >= 0:
+                    path.append(span.tree_parents[path[-1]])
+                row = span.q_start + causal + node
+                q_row[row], q_len[row] = num_rows, before + len(path)
+                parts.append(torch.cat([base[:before], base[before + torch.tensor(path[::-1])]])[None])
+                num_rows += 1
+    slot_rows = torch.zeros(num_rows, max(part.shape[1] for part in parts), dtype=torch.long)
+    row = 0
+    for part in parts:
+        slot_rows[row:row + part.shape[0], :part.shape[1]] = part
+        row += part.shape[0]
+    return slot_rows, q_row, q_len
 
 
 def _tree_mask(parents: list[int], device) -> torch.Tensor:

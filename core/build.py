@@ -113,6 +113,11 @@ def load_second_model(config: EngineConfig, pm: PluginManager, backend, device, 
     layer-truncated draft of the same model). Call it on the step thread (a decoder's
     constructor is)."""
     e = config.engine
+    if e.batch_invariant:
+        # A draft only proposes tokens, which the target verifies (greedy: its own argmax
+        # either way): it needs no invariance, so it gets a backend of its own without the
+        # mode (any weights; its captured step on).
+        backend = contracts.build(pm.get("backend", config.backend.name), config.backend.options, device)
     torch_dtype = pick_dtype(dtype, device)
     ckpt = load_checkpoint(resolve_model_path(model or e.model), contracts.model_formats(pm), torch_dtype)
     if num_layers is not None:
@@ -154,7 +159,7 @@ def build_runner(config: EngineConfig, pm: PluginManager, tp: TensorParallel, de
     ckpt = load_checkpoint(resolve_model_path(e.model), contracts.model_formats(pm), dtype, progress)
     mcfg, tokenizer, name, fmt = ckpt.config, ckpt.tokenizer, ckpt.name, ckpt.format
     max_model_len = min(e.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-    backend: Backend = contracts.build(backend_entry, config.backend.options, device)
+    backend: Backend = contracts.build(backend_entry, batch_invariant_options(config, device, tp), device)
     # The quantisation method: [quantizer] if given, else what the checkpoint says it is.
     method = config.quantizer.name if config.quantizer is not None else (ckpt.quant_method or "none")
     quantizer: Quantizer = contracts.build(pm.get("quantizer", method),
@@ -163,6 +168,25 @@ def build_runner(config: EngineConfig, pm: PluginManager, tp: TensorParallel, de
                          block_size=e.block_size, max_model_len=max_model_len, seed=e.seed, tp=tp,
                          capture=e.capture)
     return LoadedRunner(runner, tokenizer, mcfg, name, fmt, method, max_model_len)
+
+
+def batch_invariant_options(config: EngineConfig, device, tp: TensorParallel) -> msgspec.Struct | None:
+    """The backend's options, with ``batch_invariant`` set from ``engine.batch_invariant``: a
+    backend takes part through a bool ``batch_invariant`` field in its options struct (the
+    torch backend has one). Raises ConfigError, naming it, for what the mode cannot make
+    invariant: a backend without the field, tensor parallelism, a CUDA device."""
+    options = config.backend.options
+    if not config.engine.batch_invariant:
+        return options
+    name = config.backend.name
+    if options is None or "batch_invariant" not in type(options).__struct_fields__:
+        raise ConfigError(f"batch_invariant: backend {name!r} has no batch-invariant mode (the torch backend has)")
+    if tp.enabled or config.engine.tensor_parallel_size > 1:
+        raise ConfigError("batch_invariant: not with tensor parallelism (tensor_parallel_size > 1): the "
+                          "all-reduced partial sums and the sharded kernels are not checked for it")
+    if torch.device(device).type != "cpu":
+        raise ConfigError(f"batch_invariant: not on device {str(device)!r}: the mode's kernels are CPU ones")
+    return msgspec.structs.replace(options, batch_invariant=True)
 
 
 def _start_executor(config: EngineConfig, pm: PluginManager, device, threads: int | None,
