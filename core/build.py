@@ -113,11 +113,12 @@ def load_second_model(config: EngineConfig, pm: PluginManager, backend, device, 
     layer-truncated draft of the same model). Call it on the step thread (a decoder's
     constructor is)."""
     e = config.engine
-    if e.batch_invariant:
+    if getattr(backend, "batch_invariant", False):
         # A draft only proposes tokens, which the target verifies (greedy: its own argmax
         # either way): it needs no invariance, so it gets a backend of its own without the
         # mode (any weights; its captured step on).
-        backend = contracts.build(pm.get("backend", config.backend.name), config.backend.options, device)
+        options = msgspec.structs.replace(config.backend.options, batch_invariant=False)
+        backend = contracts.build(pm.get("backend", config.backend.name), options, device)
     torch_dtype = pick_dtype(dtype, device)
     ckpt = load_checkpoint(resolve_model_path(model or e.model), contracts.model_formats(pm), torch_dtype)
     if num_layers is not None:
@@ -176,8 +177,8 @@ def batch_invariant_options(config: EngineConfig, device, tp: TensorParallel) ->
     torch backend has one). Raises ConfigError, naming it, for what the mode cannot make
     invariant: a backend without the field, tensor parallelism, a CUDA device."""
     options = config.backend.options
-    if not config.engine.batch_invariant:
-        return options
+    if not (config.engine.batch_invariant or getattr(options, "batch_invariant", False)):
+        return options  # (the backend's own field set directly is the same request, checked alike)
     name = config.backend.name
     if options is None or "batch_invariant" not in type(options).__struct_fields__:
         raise ConfigError(f"batch_invariant: backend {name!r} has no batch-invariant mode (the torch backend has)")
@@ -313,5 +314,6 @@ def _build_rest(config: EngineConfig, pm: PluginManager, loaded: LoadedRunner, e
     log.info("engine_built", model=name, format=loaded.format, quantization=loaded.quantization, device=str(device),
              dtype=str(dtype), num_kv_blocks=num_blocks, block_size=e.block_size, max_model_len=loaded.max_model_len,
              tensor_parallel_size=executor.world_size, captured_step=runner.captured,
+             batch_invariant=bool(getattr(backend, "batch_invariant", False)),
              **{role: strategy for role, strategy in config.selection().items()})
     return EngineParts(loaded.tokenizer, mcfg, name, loaded.max_model_len, runner, cache, scheduler, decoder, executor)
