@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 #: the request a pool is sized in (prompt + output): ``tokenloom plan``'s default ``--context``
 TYPICAL_REQUEST_TOKENS = 1024
-#: CPU: running sequences per torch thread beyond which a decode step's rows stop paying (the
-#: embedded model on 2 AVX2 cores: output tok/s flat from 32 running sequences to 64)
+#: CPU: running sequences per torch thread. A round figure, NOT yet measured: the sweep meant
+#: to place it (docs/configuration.md#serving-defaults) could not run on a quiet machine
 CPU_SEQS_PER_CORE = 16
-#: CPU: tokens per step (a prefill chunk beside the decodes)
+#: CPU: tokens per step (a prefill chunk beside the decodes): the former fixed default
 CPU_STEP_TOKENS = 512
 #: GPU: vLLM's default sequence cap and its online-serving token budget (not measured here)
 GPU_MAX_NUM_SEQS = 256
