@@ -58,9 +58,10 @@ PIN="$DEST/torch-constraint.txt"
 make_venv() {
     local venv=$1
     echo "torch==$TORCH_VERSION" > "$PIN"
-    [ -x "$venv/bin/python" ] || "$BASE_PY" -m venv "$venv" || return 1
+    [ -x "$venv/bin/python" ] || "$BASE_PY" -m venv "$venv" || { echo "could not create $venv with $BASE_PY"; return 1; }
     "$venv/bin/python" -m pip install "${PIP_Q[@]}" --upgrade pip || return 1
-    "${NICE[@]}" "$venv/bin/python" -m pip install "${PIP_Q[@]}" "torch==$TORCH_VERSION" || return 1
+    "${NICE[@]}" "$venv/bin/python" -m pip install "${PIP_Q[@]}" "torch==$TORCH_VERSION" \
+        || { echo "torch==$TORCH_VERSION (its CPU wheel) could not be installed"; return 1; }
 }
 
 # The CUDA builds of torchvision/torchaudio/torchcodec that the peers' requirements pull fail
@@ -160,7 +161,7 @@ done
 echo
 echo "peers in $DEST:"
 for s in "${STEPS[@]}"; do printf '  %-17s %s\n' "$s" "${RESULT[$s]}"; done
-for p in llama-server vllm-venv openvino-venv models/smollm2-135m-hf models/smollm2-135m-ov-int4 models/smollm2-135m-ov-int8; do
+for p in build vllm-venv openvino-venv models/smollm2-135m-hf models/smollm2-135m-ov-int4 models/smollm2-135m-ov-int8; do
     [ -e "$DEST/$p" ] && printf '  %-40s %s\n' "$p" "$(du -shL "$DEST/$p" 2>/dev/null | cut -f1)"
 done
 for s in "${STEPS[@]}"; do [[ ${RESULT[$s]} == built* ]] || exit 1; done
