@@ -43,7 +43,14 @@ from tokenloom.core.errors import ClientError, EngineUnavailable
 from tokenloom.core.health import EngineHealth, HealthReport
 from tokenloom.core.inputs import check_length, encode_prompt, refuse_by_size
 from tokenloom.core.models.config import ModelConfig
-from tokenloom.core.outputs import Finished, RequestMetrics, TokenDelta, Usage, read_stream
+from tokenloom.core.outputs import (
+    Finished,
+    RequestMetrics,
+    TokenDelta,
+    Usage,
+    read_ready,
+    read_stream,
+)
 from tokenloom.core.plugins import PluginManager
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.core.tokenizer import Tokenizer
@@ -381,12 +388,19 @@ class EngineClient:
         async for item in self.stream(req):
             yield item
 
-    async def stream(self, req: RemoteRequest) -> AsyncIterator[TokenDelta | Finished]:
+    async def stream(self, req: RemoteRequest, *, batched: bool = False) -> AsyncIterator:
+        """Iterate a submitted request's deltas and its final result; deltas that piled up
+        while the reader was busy come as one. ``batched``: lists of what is ready at once
+        (see :func:`~tokenloom.core.outputs.read_ready`). Leaving early aborts it."""
         try:
-            async for item in read_stream(req.queue):
-                yield item
+            if batched:
+                async for ready in read_ready(req.queue):
+                    yield ready
+            else:
+                async for item in read_stream(req.queue):
+                    yield item
         finally:
-            if not req.done:
+            if not req.done:  # the consumer went away: do not generate for nobody
                 self.abort(req.request_id)
 
     def abort(self, request_id: str) -> bool:

@@ -64,21 +64,27 @@ async def read_stream(queue) -> AsyncIterator[TokenDelta | Finished]:
     """A request's queue as a stream that coalesces: the deltas already waiting when the
     reader comes back are yielded as one (a reader that keeps up gets one per step), then
     the Finished, which ends it."""
+    async for ready in read_ready(queue):
+        for item in ready:
+            yield item
+
+
+async def read_ready(queue) -> AsyncIterator[list[TokenDelta | Finished]]:
+    """:func:`read_stream` by what is ready at once: [delta], [delta, Finished] or
+    [Finished], so that a frontend writes each in one send."""
     while True:
         item = await queue.get()
-        held = None
+        ready: list[TokenDelta | Finished] = [item]
         if isinstance(item, TokenDelta):
             while not queue.empty():
                 nxt = queue.get_nowait()
-                if not isinstance(nxt, TokenDelta):
-                    held = nxt
+                if isinstance(nxt, TokenDelta):
+                    item = ready[0] = merge_deltas(item, nxt)
+                else:
+                    ready.append(nxt)
                     break
-                item = merge_deltas(item, nxt)
-        yield item
-        if held is not None:
-            item = held
-            yield item
-        if isinstance(item, Finished):
+        yield ready
+        if isinstance(ready[-1], Finished):
             return
 
 

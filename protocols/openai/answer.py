@@ -75,32 +75,35 @@ class Answer:
 
     async def _events(self, include_usage: bool):
         """A role chunk (chat), content chunks, the finish chunk, the usage chunk when asked,
-        then ``[DONE]``; an engine failure is an ``error`` event."""
+        then ``[DONE]``; an engine failure is an ``error`` event. What the engine has ready
+        at once (deltas that piled up, the last delta and the end) goes out in one write."""
         usage_none = {"usage": None} if include_usage else {}
         offset = 0
         if self.kind == "chat.completion":
             first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                      "finish_reason": None}
             yield _sse(self._envelope([first], stream=True, **usage_none))
-        async for item in self.engine.stream(self.state):
-            if isinstance(item, Finished):
-                self._finished(item)
-                if item.finish_reason == "error":
-                    yield _sse(schema.error_body(f"the engine failed on this request: {item.error}",
-                                                 kind="server_error", code="engine_error"))
-                    break
-                finish = self._choice("", None, schema.finish_reason(item.finish_reason), stream=True)
-                yield _sse(self._envelope([finish], stream=True, **usage_none))
-                if include_usage:
-                    yield _sse(self._envelope([], stream=True, usage=schema.usage_body(item.usage)))
-                break
-            if not item.text and not item.logprobs:
-                continue
-            logprobs = self._logprobs(item.logprobs, item.text, offset)
-            offset += len(item.text)
-            yield _sse(self._envelope([self._choice(item.text, logprobs, None, stream=True)], stream=True,
-                                      **usage_none))
-        yield b"data: [DONE]\n\n"
+        async for ready in self.engine.stream(self.state, batched=True):
+            frames = []
+            for item in ready:
+                if isinstance(item, Finished):
+                    self._finished(item)
+                    if item.finish_reason == "error":
+                        frames.append(_sse(schema.error_body(f"the engine failed on this request: {item.error}",
+                                                             kind="server_error", code="engine_error")))
+                    else:
+                        finish = self._choice("", None, schema.finish_reason(item.finish_reason), stream=True)
+                        frames.append(_sse(self._envelope([finish], stream=True, **usage_none)))
+                        if include_usage:
+                            frames.append(_sse(self._envelope([], stream=True, usage=schema.usage_body(item.usage))))
+                    frames.append(b"data: [DONE]\n\n")
+                elif item.text or item.logprobs:
+                    logprobs = self._logprobs(item.logprobs, item.text, offset)
+                    offset += len(item.text)
+                    frames.append(_sse(self._envelope([self._choice(item.text, logprobs, None, stream=True)],
+                                                      stream=True, **usage_none)))
+            if frames:
+                yield b"".join(frames)
 
     # ---- the end --------------------------------------------------------------------------
     def _finished(self, final: Finished) -> None:
