@@ -117,6 +117,7 @@ def load_second_model(config: EngineConfig, pm: PluginManager, backend, device, 
         # A draft only proposes tokens, which the target verifies (greedy: its own argmax
         # either way): it needs no invariance, so it gets a backend of its own without the
         # mode (any weights; its captured step on).
+        assert config.backend.options is not None  # (a backend with the mode has options)
         options = msgspec.structs.replace(config.backend.options, batch_invariant=False)
         backend = contracts.build(pm.get("backend", config.backend.name), options, device)
     torch_dtype = pick_dtype(dtype, device)

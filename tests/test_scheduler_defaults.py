@@ -33,8 +33,8 @@ SMALL = {"num_kv_blocks": 24, "max_model_len": 128}  # 384 token slots: 3 reques
 
 def test_the_rule():
     cpu = serving_defaults(num_blocks=1456, block_size=16, max_model_len=8192, device_type="cpu", cores=2)
-    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens) == (22, CPU_STEP_TOKENS)  # 1456 // 64 blocks
-    assert cpu.seqs_reason == "KV pool holds 23296 tokens = 22 x 1024-token requests"
+    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens) == (45, CPU_STEP_TOKENS)  # 1456 // 32 blocks
+    assert cpu.seqs_reason == "KV pool holds 23296 tokens = 45 x 512-token requests"
     big = serving_defaults(num_blocks=100_000, block_size=16, max_model_len=8192, device_type="cpu", cores=2)
     assert big.max_num_seqs == 2 * CPU_SEQS_PER_CORE and "2 threads" in big.seqs_reason
     gpu = serving_defaults(num_blocks=100_000, block_size=16, max_model_len=8192, device_type="cuda", cores=2)
