@@ -49,6 +49,13 @@ class ModelConfig:
             scaling = cfg.get(key)
             if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
                 raise ValueError(f"unsupported {key} {scaling!r} (plain RoPE only)")
+        window = cfg.get("sliding_window")
+        max_pos = cfg.get("max_position_embeddings", 2048)
+        if window and cfg.get("use_sliding_window", True) and window < max_pos:
+            # A window layer must read only its last `window` keys; full attention past it
+            # would answer, and answer wrongly, so it is refused until windows are built.
+            raise ValueError(f"unsupported sliding_window {window} in {archs[0]} (its layers attend to the last "
+                             f"{window} tokens only; this engine implements full attention)")
         heads = cfg["num_attention_heads"]
         return cls(
             vocab_size=cfg["vocab_size"],
@@ -60,6 +67,6 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         )
