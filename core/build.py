@@ -113,7 +113,7 @@ def load_second_model(config: EngineConfig, pm: PluginManager, backend, device, 
     layer-truncated draft of the same model). Call it on the step thread (a decoder's
     constructor is)."""
     e = config.engine
-    if getattr(backend, "batch_invariant", False):
+    if e.batch_invariant:
         # A draft only proposes tokens, which the target verifies (greedy: its own argmax
         # either way): it needs no invariance, so it gets a backend of its own without the
         # mode (any weights; its captured step on).
@@ -176,7 +176,8 @@ def batch_invariant_options(config: EngineConfig, device, tp: TensorParallel) ->
     """The backend's options, with ``batch_invariant`` set from ``engine.batch_invariant``: a
     backend takes part through a bool ``batch_invariant`` field in its options struct (the
     torch backend has one). Raises ConfigError, naming it, for what the mode cannot make
-    invariant: a backend without the field, tensor parallelism, a CUDA device."""
+    invariant: a backend without the field, tensor parallelism, a CUDA device. The mode in
+    force is written back to ``engine.batch_invariant``, which the rest of start-up reads."""
     options = config.backend.options
     if not (config.engine.batch_invariant or getattr(options, "batch_invariant", False)):
         return options  # (the backend's own field set directly is the same request, checked alike)
@@ -188,6 +189,7 @@ def batch_invariant_options(config: EngineConfig, device, tp: TensorParallel) ->
                           "all-reduced partial sums and the sharded kernels are not checked for it")
     if torch.device(device).type != "cpu":
         raise ConfigError(f"batch_invariant: not on device {str(device)!r}: the mode's kernels are CPU ones")
+    config.engine.batch_invariant = True
     return msgspec.structs.replace(options, batch_invariant=True)
 
 
@@ -315,6 +317,6 @@ def _build_rest(config: EngineConfig, pm: PluginManager, loaded: LoadedRunner, e
     log.info("engine_built", model=name, format=loaded.format, quantization=loaded.quantization, device=str(device),
              dtype=str(dtype), num_kv_blocks=num_blocks, block_size=e.block_size, max_model_len=loaded.max_model_len,
              tensor_parallel_size=executor.world_size, captured_step=runner.captured,
-             batch_invariant=bool(getattr(backend, "batch_invariant", False)),
+             batch_invariant=e.batch_invariant,
              **{role: strategy for role, strategy in config.selection().items()})
     return EngineParts(loaded.tokenizer, mcfg, name, loaded.max_model_len, runner, cache, scheduler, decoder, executor)

@@ -23,7 +23,7 @@ from tokenloom.core.health import EngineHealth, HealthReport
 from tokenloom.core.inputs import check_length, encode_prompt, refuse_by_size
 from tokenloom.core.interfaces import DecoderOutput
 from tokenloom.core.metrics import EngineCounters, StepStats, engine_stats
-from tokenloom.core.outputs import Finished, TokenDelta, read_ready, read_stream
+from tokenloom.core.outputs import Finished, TokenDelta, stream_request
 from tokenloom.core.plugins import PluginManager
 from tokenloom.core.requests import RequestState, Sink
 from tokenloom.core.sampler import TokenLogprob
@@ -167,20 +167,11 @@ class AsyncEngine:
         async for item in self.stream(req):
             yield item
 
-    async def stream(self, req: RequestState, *, batched: bool = False) -> AsyncIterator:
+    def stream(self, req: RequestState, *, batched: bool = False) -> AsyncIterator:
         """Iterate a submitted request's deltas and its final result; deltas that piled up
         while the reader was busy come as one. ``batched``: lists of what is ready at once
         (see :func:`~tokenloom.core.outputs.read_ready`). Leaving early aborts it."""
-        try:
-            if batched:
-                async for ready in read_ready(req.queue):
-                    yield ready
-            else:
-                async for item in read_stream(req.queue):
-                    yield item
-        finally:
-            if not req.done:  # the consumer went away: do not generate for nobody
-                self.abort(req.seq.request_id)
+        return stream_request(req, self.abort, batched=batched)
 
     def abort(self, request_id: str) -> bool:
         """Abort at the next step boundary; the stream ends with Finished('aborted')."""

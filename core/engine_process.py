@@ -48,8 +48,7 @@ from tokenloom.core.outputs import (
     RequestMetrics,
     TokenDelta,
     Usage,
-    read_ready,
-    read_stream,
+    stream_request,
 )
 from tokenloom.core.plugins import PluginManager
 from tokenloom.core.sampling_params import SamplingParams
@@ -388,20 +387,11 @@ class EngineClient:
         async for item in self.stream(req):
             yield item
 
-    async def stream(self, req: RemoteRequest, *, batched: bool = False) -> AsyncIterator:
+    def stream(self, req: RemoteRequest, *, batched: bool = False) -> AsyncIterator:
         """Iterate a submitted request's deltas and its final result; deltas that piled up
         while the reader was busy come as one. ``batched``: lists of what is ready at once
         (see :func:`~tokenloom.core.outputs.read_ready`). Leaving early aborts it."""
-        try:
-            if batched:
-                async for ready in read_ready(req.queue):
-                    yield ready
-            else:
-                async for item in read_stream(req.queue):
-                    yield item
-        finally:
-            if not req.done:  # the consumer went away: do not generate for nobody
-                self.abort(req.request_id)
+        return stream_request(req, self.abort, batched=batched)
 
     def abort(self, request_id: str) -> bool:
         req = self._requests.get(request_id)

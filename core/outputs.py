@@ -88,4 +88,20 @@ async def read_ready(queue) -> AsyncIterator[list[TokenDelta | Finished]]:
             return
 
 
+async def stream_request(req, abort, *, batched: bool = False) -> AsyncIterator:
+    """A submitted request's stream (``req.queue``, ``req.done``, ``req.request_id``), by
+    item or, ``batched``, by what is ready at once; leaving early calls ``abort(request_id)``
+    (the consumer went away: the engine does not generate for nobody)."""
+    try:
+        if batched:
+            async for ready in read_ready(req.queue):
+                yield ready
+        else:
+            async for item in read_stream(req.queue):
+                yield item
+    finally:
+        if not req.done:
+            abort(req.request_id)
+
+
 RequestOutput = Finished  # the hook spec's name for the final result
