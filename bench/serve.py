@@ -67,15 +67,7 @@ async def run_serve_bench(url: str, rate: float, concurrency: int, workload: lis
                 await asyncio.sleep(rng.expovariate(rate))
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - t0
-    good = [r for r in record if r["ok"]]
-    out_tokens = sum(r["output_tokens"] for r in good)
-    return {
-        "rate": rate, "concurrency": concurrency, "requests": len(record), "failed": len(record) - len(good),
-        "elapsed_s": elapsed, "request_throughput": len(good) / elapsed, "output_tok_s": out_tokens / elapsed,
-        "total_tok_s": (out_tokens + sum(r["prompt_tokens"] for r in good)) / elapsed,
-        "ttft_ms": summarize([r["ttft_ms"] for r in good]), "tpot_ms": summarize([r["tpot_ms"] for r in good]),
-        "itl_ms": summarize([x for r in good for x in r["itl_ms"]]), "e2e_ms": summarize([r["e2e_ms"] for r in good]),
-    }
+    return _report(record, rate, concurrency, elapsed, errors=False)
 
 
 # ---- the same load through an OpenAI-compatible server (tokenloom's frontend, vLLM, llama-server)
@@ -185,11 +177,18 @@ async def run_openai_serve_bench(base_url: str, rate: float, concurrency: int, w
             await asyncio.sleep(rng.expovariate(rate))
     await asyncio.gather(*tasks)
     elapsed = time.perf_counter() - t0
+    return _report(record, rate, concurrency, elapsed, errors=True)
+
+
+def _report(record: list[dict], rate: float, concurrency: int, elapsed: float, *, errors: bool) -> dict:
+    """Throughput and latency of one load run from its per-request records."""
     good = [r for r in record if r["ok"]]
     out_tokens = sum(r["output_tokens"] for r in good)
+    report = {"rate": rate, "concurrency": concurrency, "requests": len(record), "failed": len(record) - len(good)}
+    if errors:
+        report["errors"] = sorted({r["error"] for r in record if "error" in r})[:3]
     return {
-        "rate": rate, "concurrency": concurrency, "requests": len(record), "failed": len(record) - len(good),
-        "errors": sorted({r["error"] for r in record if "error" in r})[:3],
+        **report,
         "elapsed_s": elapsed, "request_throughput": len(good) / elapsed, "output_tok_s": out_tokens / elapsed,
         "total_tok_s": (out_tokens + sum(r["prompt_tokens"] for r in good)) / elapsed,
         "ttft_ms": summarize([r["ttft_ms"] for r in good]), "tpot_ms": summarize([r["tpot_ms"] for r in good]),
