@@ -355,7 +355,8 @@ class _Kit:
 
     def captured_step(self, dtype: torch.dtype) -> None:
         from tokenloom.core.models.config import ModelConfig
-        from tokenloom.core.models.llama import LlamaModel
+        from tokenloom.core.models.registry import default_registry
+        from tokenloom.core.parallel import TensorParallel
 
         cfg = ModelConfig(vocab_size=97, hidden_size=256, intermediate_size=384, num_layers=2, num_heads=4,
                           num_kv_heads=2, head_dim=64, max_position_embeddings=256)
@@ -370,7 +371,8 @@ class _Kit:
                            p + "mlp.down_proj.weight": (d, f)})
         weights = {n: (1 + 0.1 * self.randn(*shape)) if len(shape) == 1 else 0.05 * self.randn(*shape)
                    for n, shape in shapes.items()}
-        model = LlamaModel(cfg, dtype, self.cand, cfg.max_position_embeddings).to(self.device)
+        model = default_registry().get("llama").build(cfg, dtype, self.cand, cfg.max_position_embeddings,
+                                                      TensorParallel()).to(self.device)
         model.load_weights(weights, _DenseWeights())
         if not model.capture():
             return

@@ -332,8 +332,11 @@ class TorchBackend:
         k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
         v_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
-    def attention(self, q, k, v, k_cache, v_cache, meta: TorchAttnMeta, scale: float):
+    def attention(self, q, k, v, k_cache, v_cache, meta: TorchAttnMeta, scale: float, window: int | None = None,
+                  softcap: float | None = None):
         """q: [T, H, D]; k, v: [T, KVH, D] (this step's); returns [T, H, D]."""
+        if window is not None or softcap is not None:
+            raise NotImplementedError("attention with a window or a soft-cap")
         if meta.slots is not None:  # the batch-invariant mode: every query alike
             return self.fused_decode.slot_attention(q, k_cache, v_cache, *meta.slots, scale)
         if not meta.prefills and meta.decode_rows is not None and meta.decode_rows.numel() == q.shape[0]:
@@ -443,6 +446,9 @@ class TorchBackend:
         if self.batch_invariant and gate.dim() == 2:
             return self.fused_decode.silu_mul(gate, up)
         return F.silu(gate) * up
+
+    def gelu_tanh_mul(self, gate, up):
+        return F.gelu(gate, approximate="tanh") * up
 
     def capture_decode(self, model: DecodeModel) -> CppDecodeStep | None:
         """On CPU with the C++ ops built: the whole decode step in one C++ call

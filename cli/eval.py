@@ -56,7 +56,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         leaked = llm.engine.cache.stats().num_used_blocks
         report = {**res, "seconds": seconds, "load_seconds": load_s, "text": source, "model": llm.engine.model_name,
                   "quantizer": quantizer_label(llm), "dtype": str(llm.engine.runner.dtype).replace("torch.", ""),
-                  "kernel": model.layers[0].qkv.kernel, "weight_bytes": model.weight_bytes_per_token()}
+                  "kernel": model.linear_layers()[0]["qkv"].kernel, "weight_bytes": model.weight_bytes_per_token()}
     finally:
         llm.close()
     print(f"text        {report['text']}")

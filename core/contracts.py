@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenloom.core.errors import ConfigError
 from tokenloom.core.interfaces import (
@@ -27,11 +27,15 @@ from tokenloom.core.interfaces import (
     CacheManager,
     Decoder,
     Frontend,
+    ModelArchitecture,
     ModelFormat,
     Quantizer,
     Scheduler,
 )
 from tokenloom.core.plugins import ROLE_LABELS, PluginEntry, PluginManager
+
+if TYPE_CHECKING:
+    from tokenloom.core.models.registry import ModelRegistry
 
 # Names every class has, or that typing.Protocol / Generic / dataclass machinery adds: not members.
 _NOT_MEMBERS = frozenset({
@@ -46,7 +50,7 @@ _NOT_MEMBERS = frozenset({
 #: the Protocol each role's objects must satisfy
 ROLE_CONTRACTS: dict[str, type] = {
     "scheduler": Scheduler, "cache_manager": CacheManager, "quantizer": Quantizer, "decoder": Decoder,
-    "backend": Backend, "model_format": ModelFormat, "frontend": Frontend,
+    "backend": Backend, "model_format": ModelFormat, "architecture": ModelArchitecture, "frontend": Frontend,
 }
 
 
@@ -117,6 +121,13 @@ def model_formats(pm: PluginManager) -> dict[str, Callable[[], ModelFormat]]:
     ``runner.load_checkpoint`` takes."""
     built: dict[str, ModelFormat] = {name: build(entry) for name, entry in pm.entries("model_format").items()}
     return {name: functools.partial(_same, fmt) for name, fmt in built.items()}
+
+
+def model_registry(pm: PluginManager) -> ModelRegistry:
+    """Every registered model architecture, built and checked now."""
+    from tokenloom.core.models.registry import ModelRegistry
+
+    return ModelRegistry({name: build(entry) for name, entry in pm.entries("architecture").items()})
 
 
 def _same(fmt: ModelFormat) -> ModelFormat:

@@ -139,6 +139,24 @@ def register_model_formats(register: Register) -> None:
 
 
 @hookspec
+def register_models(register: Register) -> None:
+    """Register model architectures (LLaMA, Qwen, Gemma, ... or a family of your own).
+
+    Called once per plugin manager, at start-up.
+
+    :param register: as for :func:`register_schedulers`; ``factory()`` returns a
+        :class:`tokenloom.core.interfaces.ModelArchitecture`: the HF ``architectures`` and
+        GGUF ``general.architecture`` names it claims, its config parser (refusing, by name,
+        a key it does not implement), its GGUF tensor names and ``build(cfg, dtype, backend,
+        max_len, tp)``, which returns the module (a
+        :class:`tokenloom.core.interfaces.CausalLM`). The model formats ask the registered
+        architectures which one claims a checkpoint; the runner builds the model through
+        it. ``tokenloom.testing.check_model`` is the conformance kit for a new family.
+    :returns: nothing; results are ignored.
+    """
+
+
+@hookspec
 def register_frontends(register: Register) -> None:
     """Register frontends: the ways in to a served engine (WebSocket, OpenAI HTTP, ...).
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # annotations only: most of these import this module (a cycle
     from tokenloom.core.engine_process import EngineClient
     from tokenloom.core.loader import LoadedCheckpoint
     from tokenloom.core.models.config import ModelConfig
+    from tokenloom.core.parallel import TensorParallel
     from tokenloom.core.plugins import PluginManager
     from tokenloom.core.runner import ForwardOutput, ModelRunner
     from tokenloom.protocols.gateway import Gateway
@@ -213,10 +214,100 @@ class ModelFormat(Protocol):
     def claims(self, path: Path) -> bool:
         """Is ``path`` a checkpoint of this format? Cheap: reads a header at most."""
 
-    def load(self, path: Path, dtype: torch.dtype,
-             progress: Callable[[int, int], None] | None = None) -> LoadedCheckpoint:
+    def load(self, path: Path, dtype: torch.dtype, progress: Callable[[int, int], None] | None = None,
+             models: ModelRegistry | None = None) -> LoadedCheckpoint:
         """The checkpoint's config, raw tensors (quantised ones untouched), tokenizer and
-        quantisation metadata; ``progress(done, total)`` as tensors are read."""
+        quantisation metadata; ``progress(done, total)`` as tensors are read. ``models``:
+        the registered architectures (None: those of the default plugin manager); the
+        format asks it which one claims the checkpoint (``for_hf`` / ``for_gguf``), whose
+        ``config_from_*`` gives the config, and sets ``LoadedCheckpoint.architecture``."""
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A built model (``ModelArchitecture.build``): what the runner, the decoders and the
+    tools reach. Hidden states are float32 ``[T, hidden]`` before the final norm."""
+
+    cfg: ModelConfig  # the whole model's
+    dtype: torch.dtype
+    captured: CapturedStep | None  # the backend's captured decode step, after capture()
+
+    def __call__(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        """``input_ids``, ``positions`` ``[T]``; ``kv_caches`` one (k, v) pair per layer;
+        ``meta`` the backend's ``prepare`` result. Returns the final hidden states. (An
+        ``nn.Module`` whose ``forward`` does this; ``build`` returns it on the CPU and the
+        runner moves it with ``.to(device)``.)"""
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor | None:
+        """Float32 ``[T, vocab]`` (the final norm, the head, a final soft-cap if the family
+        has one); under tensor parallelism on rank 0 only (None elsewhere)."""
+
+    def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The output head on already-normed rows ``x`` (Medusa heads feed their own
+        hidden states through it): float32 ``[T, this rank's vocab]``."""
+
+    def load_weights(self, weights: dict[str, Any], quantizer: Quantizer, quant_config: dict | None = None) -> None:
+        """Take every checkpoint tensor (HF names); each matmul goes through ``quantizer``
+        and the backend's ``pack_linear``. A missing, misshapen or unused tensor fails
+        naming it."""
+
+    def capture(self) -> bool:
+        """Ask the backend for a captured decode step where this model's structure allows
+        one; True when it gave one. Logs what made it step aside otherwise."""
+
+    def weight_bytes_per_token(self) -> int:
+        """Bytes a batch-1 decode step reads (every weight once; the embedding one row)."""
+
+    def linear_layers(self) -> list[dict[str, LinearWeight]]:
+        """Each transformer layer's matmuls by slot name (``qkv``, ``o``, ``gate_up``,
+        ``down``, an MoE's ``experts.E.gate_up`` ...), as packed: what offline calibration
+        wraps and ``tokenloom eval`` reports."""
+
+
+@runtime_checkable
+class ModelArchitecture(Protocol):
+    """A model family, registered with ``register_models`` (core/hookspecs.py): which
+    checkpoints it claims, how their config reads, how their GGUF tensors are named, and
+    the module it builds. Everything else in the engine reaches the model through this."""
+
+    name: str  # the registered name, ``ModelConfig.architecture``
+    hf_architectures: tuple[str, ...]  # HF ``architectures[0]`` values it claims
+    gguf_architectures: tuple[str, ...]  # GGUF ``general.architecture`` values it claims
+
+    def config_from_hf(self, raw: dict) -> ModelConfig:
+        """The typed config of an HF ``config.json``; a key whose value this family does not
+        implement (a rope kind, a window on a family without one) raises ValueError naming
+        the key and the model."""
+
+    def config_from_gguf(self, meta: dict) -> ModelConfig:
+        """The same from GGUF metadata (``{arch}.block_count``, ...)."""
+
+    def gguf_tensor_name(self, name: str, cfg: ModelConfig) -> str | None:
+        """The HF name of GGUF tensor ``name`` (``blk.3.attn_q.weight`` ->
+        ``model.layers.3.self_attn.q_proj.weight``); None: the loader drops it (a tensor
+        the engine recomputes, like ``rope_freqs``). An unknown name raises naming it."""
+
+    def gguf_permuted_qk(self) -> bool:
+        """Whether llama.cpp's converter permuted this family's q/k rows for its
+        interleaved RoPE (LLaMA, Mistral, Mixtral: yes; Qwen, Gemma, Phi-3: no)."""
+
+    def build(self, cfg: ModelConfig, dtype: torch.dtype, backend: Backend, max_len: int,
+              tp: TensorParallel) -> CausalLM:
+        """The module, on CPU, with uninitialised weights (``load_weights`` fills them);
+        ``tp``: this rank's place (its share of heads, FFN and experts). Refuses (ConfigError
+        naming the feature and the model) what it cannot run with this backend or split."""
+
+
+class ModelRegistry(Protocol):
+    """The registered architectures (core/models/registry.py)."""
+
+    def get(self, name: str) -> ModelArchitecture: ...
+
+    def for_hf(self, raw: dict) -> ModelArchitecture:
+        """The architecture that claims an HF config (its ``architectures[0]``), or a
+        ConfigError listing the ones known."""
+
+    def for_gguf(self, arch: str) -> ModelArchitecture: ...
 
 
 @runtime_checkable
@@ -353,9 +444,13 @@ class Backend(Protocol):
         layer, reading all before writing: a draft tree's accepted branch moves from its
         lookahead slots into the positions it now holds."""
 
-    def attention(self, q, k, v, k_cache, v_cache, meta, scale: float):
+    def attention(self, q, k, v, k_cache, v_cache, meta, scale: float, window: int | None = None,
+                  softcap: float | None = None):
         """Attention of this step's queries over the cache; ``k``/``v`` are this step's own
-        keys and values (already written by ``write_kv``), for backends that use them directly."""
+        keys and values (already written by ``write_kv``), for backends that use them directly.
+        ``window``: a query at position p sees keys at positions > p - window only (sliding-
+        window layers); ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before
+        the softmax (Gemma 2). A backend without them raises ConfigError at its first call."""
 
     def decode_attention_block(self, qkv, cos, sin, k_cache, v_cache, meta: Any, num_heads: int,  # meta: prepare's
                                scale: float) -> torch.Tensor | None:
@@ -363,8 +458,8 @@ class Backend(Protocol):
         ``[T, (H + 2 KVH) * D]`` and float32 ``cos``/``sin`` of the positions: RoPE on q and
         k, the KV write and attention in one call; returns ``[T, H * D]`` in qkv's dtype, or
         None when it does not apply (the model then calls ``write_kv`` and ``attention``).
-        Required like every method here (the model calls it every decode step); a backend
-        without such a path returns None."""
+        Required like every method here (the model calls it every decode step, on layers
+        without a window or a soft-cap); a backend without such a path returns None."""
 
     def rope(self, x, cos, sin):
         """Rotary embedding, rotate-half (neox) form: ``x [T, heads, head_dim]`` (q and k heads
@@ -384,6 +479,9 @@ class Backend(Protocol):
         else it is dequantised to ``dtype``) and return the object the model calls."""
 
     def silu_mul(self, gate, up): ...
+
+    def gelu_tanh_mul(self, gate, up):
+        """GeGLU's ``gelu(gate, approximate="tanh") * up`` (Gemma's MLP)."""
 
     def capture_decode(self, model: DecodeModel) -> CapturedStep | None:
         """Called once after the weights are packed (and not under tensor parallelism, nor

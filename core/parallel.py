@@ -111,17 +111,8 @@ class TensorParallel:
         if not self.enabled:
             return spec
         hd = cfg.head_dim
-        if kind == "qkv":
-            q, kv = self.heads(cfg), self.kv_heads(cfg)
-            k0, v0 = cfg.q_size, cfg.q_size + cfg.kv_size
-            rows = [*range(q.start * hd, q.stop * hd), *range(k0 + kv.start * hd, k0 + kv.stop * hd),
-                    *range(v0 + kv.start * hd, v0 + kv.stop * hd)]
-            return take_rows(spec, rows)
-        if kind == "gate_up":
-            f, n = self.ffn(cfg), cfg.intermediate_size
-            return take_rows(spec, [*f, *range(n + f.start, n + f.stop)])
-        if kind == "lm_head":
-            return take_rows(spec, list(self.vocab(cfg)))
+        if kind in ("qkv", "gate_up", "lm_head"):
+            return take_rows(spec, self.rows(kind, cfg))
         if kind == "o":
             q = self.heads(cfg)
             return take_columns(spec, q.start * hd, q.stop * hd, name, method)
@@ -129,6 +120,27 @@ class TensorParallel:
             f = self.ffn(cfg)
             return take_columns(spec, f.start, f.stop, name, method)
         raise ValueError(f"unknown slot kind {kind!r}")
+
+    def rows(self, kind: str, cfg: ModelConfig) -> list[int]:
+        """This rank's output rows of a column-parallel slot (qkv, gate_up, lm_head)."""
+        hd = cfg.head_dim
+        if kind == "qkv":
+            q, kv = self.heads(cfg), self.kv_heads(cfg)
+            k0, v0 = cfg.q_size, cfg.q_size + cfg.kv_size
+            return [*range(q.start * hd, q.stop * hd), *range(k0 + kv.start * hd, k0 + kv.stop * hd),
+                    *range(v0 + kv.start * hd, v0 + kv.stop * hd)]
+        if kind == "gate_up":
+            f, n = self.ffn(cfg), cfg.intermediate_size
+            return [*f, *range(n + f.start, n + f.stop)]
+        if kind == "lm_head":
+            return list(self.vocab(cfg))
+        raise ValueError(f"slot kind {kind!r} is not split by rows")
+
+    def shard_bias(self, kind: str, bias: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+        """This rank's part of a column-parallel slot's bias (its output rows)."""
+        if not self.enabled:
+            return bias
+        return bias[torch.tensor(self.rows(kind, cfg), dtype=torch.long)].contiguous()
 
     # ---- collectives -----------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from tokenloom.core.errors import ConfigError, UnknownPluginError
 
 log = structlog.get_logger("tokenloom.plugins")
 
-ROLES = ("scheduler", "cache_manager", "quantizer", "decoder", "backend", "model_format", "frontend")
+ROLES = ("scheduler", "cache_manager", "quantizer", "decoder", "backend", "model_format", "architecture", "frontend")
 _HOOK_OF_ROLE = {
     "scheduler": "register_schedulers",
     "cache_manager": "register_cache_managers",
@@ -25,9 +25,10 @@ _HOOK_OF_ROLE = {
     "decoder": "register_decoders",
     "backend": "register_backends",
     "model_format": "register_model_formats",
+    "architecture": "register_models",
     "frontend": "register_frontends",
 }
-ROLE_LABELS = {role: role.replace("_", " ") for role in ROLES}
+ROLE_LABELS = {role: role.replace("_", " ") for role in ROLES} | {"architecture": "model architecture"}
 
 #: Built-in plugins, registered exactly like third-party ones.
 BUILTIN_PLUGINS = (
@@ -46,6 +47,7 @@ BUILTIN_PLUGINS = (
     "tokenloom.plugins.quantizers.online",
     "tokenloom.plugins.quantizers.packed",
     "tokenloom.plugins.formats",
+    "tokenloom.plugins.models",
     "tokenloom.backends.torch_backend",
     "tokenloom.backends.triton_backend",
     "tokenloom.protocols.frontends",

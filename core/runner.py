@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from tokenloom.core.attention import AttentionInputs, PrefillSpan, StepBuffers
-from tokenloom.core.interfaces import Backend
+from tokenloom.core.interfaces import Backend, CausalLM, ModelRegistry
 from tokenloom.core.loader import LoadedCheckpoint
 from tokenloom.core.models.config import ModelConfig
-from tokenloom.core.models.llama import LlamaModel
+from tokenloom.core.models.registry import default_registry
 from tokenloom.core.parallel import TensorParallel
 from tokenloom.core.sampler import Sampler
 from tokenloom.core.sequence import Batch, Sequence, draft_depths
@@ -66,7 +67,9 @@ class ModelRunner:
         self.cfg = self.tp.local_config(checkpoint.config)  # this rank's heads: its KV pool's shape
         self.backend, self.dtype, self.device = backend, dtype, device
         self.block_size, self.max_model_len = block_size, max_model_len
-        self.model = LlamaModel(checkpoint.config, dtype, backend, max_model_len, self.tp).to(device)
+        arch = checkpoint.architecture or default_registry().get(checkpoint.config.architecture)
+        self.model: CausalLM = arch.build(checkpoint.config, dtype, backend, max_model_len, self.tp)
+        cast(torch.nn.Module, self.model).to(device)
         self.model.load_weights(checkpoint.weights, quantizer, checkpoint.quant_config)  # takes (empties) the checkpoint's tensors
         if capture:
             self.model.capture()
@@ -215,11 +218,21 @@ class StepPlan:
     copies: list  # copy-on-write block copies to make first
 
 
-def load_checkpoint(path, registry_formats: dict[str, Callable], dtype: torch.dtype, progress=None) -> LoadedCheckpoint:
+def load_checkpoint(path, registry_formats: dict[str, Callable], dtype: torch.dtype, progress=None,
+                    models: ModelRegistry | None = None) -> LoadedCheckpoint:
+    """The first registered format that claims ``path`` loads it; the model plugin that
+    builds it (``ckpt.architecture``) comes from ``models`` (default: the default plugin
+    manager's)."""
+    from tokenloom.core.models.registry import default_registry
+
+    models = models or default_registry()
     for factory in registry_formats.values():
         fmt = factory()
         if fmt.claims(path):
-            return fmt.load(path, dtype, progress)
+            ckpt = fmt.load(path, dtype, progress, models)
+            if ckpt.architecture is None:
+                ckpt.architecture = models.get(ckpt.config.architecture)
+            return ckpt
     from tokenloom.core.errors import ConfigError
 
     raise ConfigError(f"no model format claims {str(path)!r}; known formats: {', '.join(registry_formats)}")

@@ -27,7 +27,9 @@ class HFDirFormat:
     def claims(self, path: Path) -> bool:
         return path.is_dir() and (path / "config.json").exists()
 
-    load = staticmethod(load_hf_dir)
+    @staticmethod
+    def load(path: Path, dtype, progress=None, models=None):
+        return load_hf_dir(path, dtype, progress)
 
 
 @hookimpl

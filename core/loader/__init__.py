@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenloom.core.models.config import ModelConfig
 from tokenloom.core.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from tokenloom.core.interfaces import ModelArchitecture
 
 
 @dataclass(slots=True)
@@ -18,3 +21,4 @@ class LoadedCheckpoint:
     format: str
     quant_method: str | None = None  # what the checkpoint's own metadata says it is quantised with
     quant_config: dict | None = None  # that metadata (bits, group_size, ...), for the quantizer
+    architecture: ModelArchitecture | None = None  # the model plugin that builds it (load_checkpoint sets it)

@@ -12,19 +12,24 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenloom.core.interfaces import ModelRegistry
 
 import numpy as np
 import torch
 
 from tokenloom.core.loader import LoadedCheckpoint
 from tokenloom.core.models.config import ModelConfig
+from tokenloom.core.models.registry import default_registry
 from tokenloom.core.tokenizer import Tokenizer
 from tokenloom.core.weights import QuantizedWeight
 
 SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
 NATIVE_TYPES = {"Q4_0", "Q4_1", "Q8_0"}  # kept quantised: blocks of 32 with fp16 scale (and min)
 _BLOCK = 32
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,29 +74,6 @@ class GGUFTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.to_quantized().dequantize(dtype)
 
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def hf_name(gguf_name: str) -> str:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
-    base, _, suffix = gguf_name.rpartition(".")
-    parts = base.split(".")
-    if parts[0] == "blk":
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
-    return f"{_GLOBAL_NAMES[base]}.{suffix}"
-
-
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (made for its interleaved RoPE) so the
     weights work with HF's rotate-half RoPE. Getting this wrong still runs, badly."""
@@ -111,67 +93,56 @@ def read_metadata(reader) -> dict:
     return meta
 
 
-def model_config(meta: dict) -> ModelConfig:
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r} (llama only)")
-    def g(key: str, default: Any = None) -> Any:  # Any: GGUF metadata values are whatever the file holds
-        return meta.get(f"llama.{key}", default)
-
-    heads = g("attention.head_count")
-    hidden = g("embedding_length")
-    vocab = g("vocab_size") or len(meta["tokenizer.ggml.tokens"])
-    return ModelConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=g("feed_forward_length"),
-        num_layers=g("block_count"),
-        num_heads=heads,
-        num_kv_heads=g("attention.head_count_kv", heads),
-        head_dim=g("attention.key_length") or g("rope.dimension_count") or hidden // heads,
-        rope_theta=float(g("rope.freq_base", 10000.0)),
-        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=g("context_length", 2048),
-        tie_word_embeddings=False,  # set below from the tensor list
-    )
+def model_config(meta: dict, models: ModelRegistry | None = None) -> ModelConfig:
+    """The model config of GGUF metadata, through the model plugin that claims its
+    ``general.architecture``."""
+    models = models or default_registry()
+    return models.for_gguf(meta.get("general.architecture", "?")).config_from_gguf(meta)
 
 
-def load_gguf(path: Path, dtype: torch.dtype, progress: Callable[[int, int], None] | None = None) -> LoadedCheckpoint:
+def load_gguf(path: Path, dtype: torch.dtype, progress: Callable[[int, int], None] | None = None,
+              models: ModelRegistry | None = None) -> LoadedCheckpoint:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
+    models = models or default_registry()
     reader = GGUFReader(str(path))
     meta = read_metadata(reader)
-    cfg = model_config(meta)
+    arch = models.for_gguf(meta.get("general.architecture", "?"))
+    cfg = arch.config_from_gguf(meta)
     names = {t.name for t in reader.tensors}
     cfg = dataclasses.replace(cfg, tie_word_embeddings="output.weight" not in names)
+    permuted = arch.gguf_permuted_qk()
     weights: dict[str, torch.Tensor | GGUFTensor] = {}
     total = len(reader.tensors)
     for i, t in enumerate(reader.tensors):
         qtype = t.tensor_type.name
         if qtype not in SUPPORTED_TYPES:
             raise ValueError(f"tensor {t.name}: GGUF type {qtype} is not supported")
+        name = arch.gguf_tensor_name(t.name, cfg)
+        if name is None:  # a table the engine recomputes (rope_freqs, ...)
+            if progress is not None:
+                progress(i + 1, total)
+            continue
+        qk_heads = None
+        if permuted and t.name.startswith("blk.") and (".attn_q." in t.name or ".attn_k." in t.name):
+            qk_heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
         if qtype in NATIVE_TYPES and len(t.shape) == 2:
             rows, cols = int(t.shape[1]), int(t.shape[0])
-            order = None
-            if t.name.startswith("blk.") and (".attn_q." in t.name or ".attn_k." in t.name):
-                heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
-                order = unpermute_qk(np.arange(rows)[:, None], heads)[:, 0]
-            weights[hf_name(t.name)] = GGUFTensor(t.name, qtype, t.data, (rows, cols), order)
+            order = unpermute_qk(np.arange(rows)[:, None], qk_heads)[:, 0] if qk_heads else None
+            weights[name] = GGUFTensor(t.name, qtype, t.data, (rows, cols), order)
             if progress is not None:
                 progress(i + 1, total)
             continue
         arr = dequantize(t.data, t.tensor_type)  # [out, in] float32 (or a read-only memmap for F32)
         arr = np.array(arr, dtype=np.float32, copy=True).reshape(tuple(int(x) for x in reversed(t.shape)))
-        if t.name.startswith("blk.") and ".attn_q." in t.name:
-            arr = unpermute_qk(arr, cfg.num_heads)
-        elif t.name.startswith("blk.") and ".attn_k." in t.name:
-            arr = unpermute_qk(arr, cfg.num_kv_heads)
+        if qk_heads:
+            arr = unpermute_qk(arr, qk_heads)
         tensor = torch.from_numpy(arr)
-        weights[hf_name(t.name)] = tensor if tensor.dim() == 1 else tensor.to(dtype)
+        weights[name] = tensor if tensor.dim() == 1 else tensor.to(dtype)
         if progress is not None:
             progress(i + 1, total)
     tokenizer = Tokenizer.from_gguf_metadata(meta)
     quantized = any(isinstance(w, GGUFTensor) for w in weights.values())
     return LoadedCheckpoint(cfg, weights, tokenizer, name=meta.get("general.name", path.stem), format="gguf",
-                            quant_method="gguf" if quantized else None)
+                            quant_method="gguf" if quantized else None, architecture=arch)

@@ -149,7 +149,7 @@ def output_head_rows(model, ids: torch.Tensor) -> torch.Tensor:
     weight packs it (read back by applying it to the identity, in chunks)."""
     d = model.cfg.hidden_size
     eye = torch.eye(d, dtype=model.dtype, device=ids.device)
-    cols = [model.lm_head.apply(eye[i:i + 64]).float()[:, ids] for i in range(0, d, 64)]  # [64, K] each
+    cols = [model.lm_logits(eye[i:i + 64])[:, ids] for i in range(0, d, 64)]  # [64, K] each
     return torch.cat(cols).T.contiguous()
 
 
@@ -323,7 +323,7 @@ class MedusaDecoder(SharedStepDecoder):
         if self.vocab_head is not None:  # over the draft vocabulary
             logits = torch.nn.functional.linear(h.to(self.vocab_head.dtype), self.vocab_head)
         else:
-            logits = self.runner.model.lm_head.apply(h.to(self.runner.model.dtype))
+            logits = self.runner.model.lm_logits(h)
         top = logits.topk(ranks, dim=-1).indices
         return self.vocab[top] if self.vocab is not None else top
 

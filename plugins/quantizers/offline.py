@@ -109,13 +109,19 @@ def calibrate(llm, chunks: list[list[int]], *, hessian: bool, awq: bool,
                           f"({llm.engine.executor.world_size})")
     model = llm.engine.runner.model
     captures: dict[str, _Capture] = {}
+    if model.cfg.architecture not in CALIBRATED_ARCHITECTURES:
+        from tokenloom.core.errors import ConfigError
+
+        raise ConfigError(f"tokenloom quantize calibrates {', '.join(CALIBRATED_ARCHITECTURES)} models; "
+                          f"{model.cfg.checkpoint_architecture or model.cfg.architecture} is not one yet (its "
+                          "checkpoint names differ): quantize it online instead (--quantizer int8 / rtn / fp8)")
     for i, layer in enumerate(model.layers):
         for slot in SLOTS:
-            inner = getattr(layer, slot)
+            inner = getattr(_owner(layer, slot), slot)
             cap = _Capture(inner, HessianAccumulator(inner.in_features) if hessian else None,
                            ActivationStats(inner.in_features) if awq else None)
             captures[f"model.layers.{i}.{slot}"] = cap
-            setattr(layer, slot, cap)
+            setattr(_owner(layer, slot), slot, cap)
     try:
         for n, ids in enumerate(chunks):
             prefill(llm, ids)
@@ -124,8 +130,17 @@ def calibrate(llm, chunks: list[list[int]], *, hessian: bool, awq: bool,
     finally:
         for i, layer in enumerate(model.layers):
             for slot in SLOTS:
-                setattr(layer, slot, captures[f"model.layers.{i}.{slot}"].inner)
+                setattr(_owner(layer, slot), slot, captures[f"model.layers.{i}.{slot}"].inner)
     return captures
+
+
+#: the architectures whose checkpoint names are SLOTS' (LLaMA's): what calibration writes back
+CALIBRATED_ARCHITECTURES = ("llama", "mistral")
+
+
+def _owner(layer, slot: str):
+    """The module holding ``slot``: the layer (qkv, o) or its MLP (gate_up, down)."""
+    return layer if slot in ("qkv", "o") else layer.mlp
 
 
 def prefill(llm, ids: list[int]) -> torch.Tensor:
