@@ -26,6 +26,15 @@ every op of the ``Backend`` protocol against the ``torch`` backend at odd shapes
     def test_my_backend():
         check_backend("my-backend", plugins=[my_plugin], device="cuda")
 
+Model families (``register_models``) have :func:`check_model`: a checkpoint's logits against
+a reference forward, and its greedy ids alone, in a batch and prefilled in chunks behind a
+cached prefix::
+
+    from tokenloom.testing import check_model
+
+    def test_my_family(tmp_path):
+        check_model(my_checkpoint_dir, plugins=[my_plugin], reference=my_reference_forward)
+
 The tiny model (:func:`make_tiny_model`) is a random LLaMA in the Hugging Face layout with a
 vocabulary of a dozen tokens, so a few thousand draws pin the distribution down. Its prompt
 (:data:`KIT_PROMPT`) repeats a pattern, so a prompt-lookup decoder finds drafts to verify.
@@ -51,7 +60,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KIT_BACKEND_CASES", "KIT_PROMPT", "KIT_SAMPLING", "BackendCase", "ConformanceError", "check_backend",
            "check_blocks_back", "check_decoder", "check_distribution", "check_greedy_identical", "chi_square",
-           "exact_marginals", "make_tiny_model"]
+           "exact_marginals", "make_tiny_model", "MODEL_KIT_PROMPTS", "check_model"]
 
 #: The backend kit lives in tokenloom/backends/conformance.py (its own module: one concept,
 #: and ~300 lines); ``from tokenloom.testing import check_backend`` loads it on first use.
@@ -256,4 +265,68 @@ def check_decoder(decoder: str, *, model_dir: str | Path, plugins: Seq[Any] = ()
             report[f"sampling_{i}"] = check_distribution(llm, decoder, sampling=s, draws=draws, depth=depth)
             check_blocks_back(llm)
         report["stats"] = {k: v for k, v in llm.engine.stats().items() if k.startswith("decoder_")}
+    return report
+
+
+# ---- the model kit ------------------------------------------------------------------------------
+#: prompts of mixed lengths (token ids below 12: any vocabulary holds them)
+MODEL_KIT_PROMPTS = ([*range(1, 11)] * 4, [3, 1, 4, 1, 5, 9, 2, 6], [*range(11)] * 2 + [5] * 7)
+
+
+def check_model(model_dir: str | Path, *, plugins: Seq[Any] = (), reference: Any = None,
+                prompts: Seq[list[int]] = MODEL_KIT_PROMPTS, max_tokens: int = 24, rtol: float = 1e-4,
+                flags: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The conformance kit for a model family (``register_models``; see core/hookspecs.py):
+    the checkpoint at ``model_dir``, served with ``plugins`` registered (the family's own
+    package, for a third party), in float32:
+
+    1. **logits**: with ``reference(ids) -> [len(ids), vocab]`` (e.g. transformers' model, or
+       your own plain-torch forward), the prefill logits of each prompt within ``rtol``
+       relative (max abs difference over max abs value);
+    2. **batching**: the greedy ids of the prompts decoded together (mixed lengths) equal
+       each prompt's alone;
+    3. **chunking and prefix cache**: a prompt prefilled in 8-token chunks behind a prefix an
+       earlier request left in the cache gives the ids it gives in one piece;
+    4. **blocks**: every KV block is back at the end.
+
+    Raises :class:`ConformanceError`; returns the worst relative logit difference."""
+    from tokenloom import LLM
+    from tokenloom.core.plugins import PluginManager
+    from tokenloom.core.sampling_params import SamplingParams
+
+    def engine(**extra: Any) -> Any:
+        pm = PluginManager(load_entry_points=False, extra=list(plugins))
+        base = {"model": str(model_dir), "dtype": "float32", "device": "cpu", "num_kv_blocks": 256, "block_size": 8}
+        return LLM(flags={**base, **(flags or {}), **extra}, plugin_manager=pm)
+
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    report: dict[str, Any] = {"max_rel_logit_diff": None}
+    with engine(scheduler={"max_num_seqs": 8}) as llm:
+        if reference is not None:
+            worst = 0.0
+            for i, ids in enumerate(prompts):
+                blocks = list(range(-(-len(ids) // 8)))
+                ours = llm.engine.runner.prefill_logits(list(ids), block_table=blocks)
+                with torch.no_grad():
+                    theirs = torch.as_tensor(reference(list(ids))).float()
+                rel = ((ours - theirs).abs().max() / theirs.abs().max()).item()
+                worst = max(worst, rel)
+                if not rel <= rtol:
+                    raise ConformanceError(f"logits: prompt {i} differs from the reference by {rel:.2e} relative "
+                                           f"(allowed {rtol:.0e})")
+            report["max_rel_logit_diff"] = worst
+        alone = [llm.generate([list(p)], greedy)[0].token_ids for p in prompts]
+        together = [o.token_ids for o in llm.generate([list(p) for p in prompts], greedy)]
+        for i, (a, b) in enumerate(zip(alone, together, strict=True)):
+            if a != b:
+                raise ConformanceError(f"batching: prompt {i} decodes {b[:8]}... in a batch, {a[:8]}... alone")
+        check_blocks_back(llm)
+    longest = max(prompts, key=len)
+    with engine(scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 8}) as llm:
+        llm.generate([list(longest[:16])], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        chunked = llm.generate([list(longest)], greedy)[0].token_ids
+        if chunked != alone[list(prompts).index(longest)]:
+            raise ConformanceError(f"chunking: the longest prompt decodes {chunked[:8]}... prefilled in chunks behind "
+                                   f"a cached prefix, {alone[list(prompts).index(longest)][:8]}... in one piece")
+        check_blocks_back(llm)
     return report

@@ -106,13 +106,35 @@ class DecoderLayer(nn.Module):
         self.qkv_bias: torch.Tensor | None = None
         self.fused_attention = not (self.window or cfg.attn_logit_softcap or cfg.partial_rotary_factor != 1.0)
 
+    def norms(self) -> list[str]:
+        """The layer's norm attributes, each loaded from ``names[attr]`` (a family whose layer
+        has other norms overrides this)."""
+        cfg = self.cfg
+        return ["input_norm", "post_norm"] + (["attn_out_norm", "mlp_out_norm"] if cfg.sandwich_norms else []) \
+            + (["q_norm", "k_norm"] if cfg.qk_norm else [])
+
     def forward(self, h, delta, cos, sin, k_cache, v_cache, meta, backend):
         """``h + delta`` is the residual stream coming in (``delta``: the previous layer's MLP
         output, added here together with this layer's first norm); returns the stream after
         attention and this layer's MLP output, the next layer's ``delta``."""
         cfg, dtype = self.cfg, self.dtype
-        T = h.shape[0]
         x, h = backend.add_rms_norm(h, delta, self.input_norm, cfg.rms_norm_eps, dtype)
+        o = self.attend(x, cos, sin, k_cache, v_cache, meta, backend)
+        if cfg.sandwich_norms:
+            o = backend.rms_norm(o, self.attn_out_norm, cfg.rms_norm_eps)
+        # float32 h + a bf16 matmul output adds in float32 (type promotion): no copy op
+        x, h = backend.add_rms_norm(h, o, self.post_norm, cfg.rms_norm_eps, dtype)
+        out = self.tp.all_reduce(self.mlp(x, backend))
+        if cfg.sandwich_norms:
+            out = backend.rms_norm(out, self.mlp_out_norm, cfg.rms_norm_eps)
+        return h, out
+
+    def attend(self, x, cos, sin, k_cache, v_cache, meta, backend) -> torch.Tensor:
+        """Attention of the normed input ``x [T, hidden]`` (model dtype) through ``o``: q/k/v
+        (biases, q/k norms), RoPE, the KV write and attention over the cache; returns the
+        output projection's result, summed over tensor-parallel ranks."""
+        cfg, dtype = self.cfg, self.dtype
+        T = x.shape[0]
         qkv = self.qkv.apply(x)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
@@ -144,16 +166,8 @@ class DecoderLayer(nn.Module):
             else:
                 attn = backend.attention(q, k, v, k_cache, v_cache, meta, scale, window=self.window,
                                          softcap=cfg.attn_logit_softcap)
-        # float32 h + a bf16 matmul output adds in float32 (type promotion): no copy op
-        # o and down are row-parallel under tensor parallelism: their partial sums add up here
-        o = self.tp.all_reduce(self.o.apply(attn.reshape(T, cfg.q_size).to(dtype)))
-        if cfg.sandwich_norms:
-            o = backend.rms_norm(o, self.attn_out_norm, cfg.rms_norm_eps)
-        x, h = backend.add_rms_norm(h, o, self.post_norm, cfg.rms_norm_eps, dtype)
-        out = self.tp.all_reduce(self.mlp(x, backend))
-        if cfg.sandwich_norms:
-            out = backend.rms_norm(out, self.mlp_out_norm, cfg.rms_norm_eps)
-        return h, out
+        # o is row-parallel under tensor parallelism: its partial sums add up here
+        return self.tp.all_reduce(self.o.apply(attn.reshape(T, cfg.q_size).to(dtype)))
 
 
 #: HF checkpoint names of one layer's parts, the LLaMA layout; families override entries
@@ -181,11 +195,13 @@ class DecoderModel(nn.Module):
     local_sin: torch.Tensor
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, backend, max_len: int, tp: TensorParallel | None = None,
-                 *, names: dict[str, Any] | None = None, mlp: MLPFactory | None = None):
+                 *, names: dict[str, Any] | None = None, mlp: MLPFactory | None = None,
+                 layer: type[DecoderLayer] | None = None):
         """``cfg``: the whole model's; with ``tp`` this rank holds its share (core/parallel.py):
         ``embed`` and ``lm_head`` a slice of the vocabulary, each layer its heads and FFN slice.
         ``names``: the family's checkpoint names (LLAMA_NAMES's keys); ``mlp(cfg, layer, tp)``
-        builds a layer's MLP (default: the gated MLP)."""
+        builds a layer's MLP (default: the gated MLP); ``layer``: a DecoderLayer subclass for
+        a family whose block is wired otherwise (its ``forward`` and ``norms``)."""
         super().__init__()
         self.cfg, self.dtype, self.backend = cfg, dtype, backend
         self.names = {**LLAMA_NAMES, **(names or {})}
@@ -194,7 +210,8 @@ class DecoderModel(nn.Module):
         self.embed = nn.Parameter(torch.empty(len(tp.vocab(cfg)), cfg.hidden_size, dtype=dtype), requires_grad=False)
         local = tp.local_config(cfg)
         make_mlp = mlp or (lambda c, i, t: GatedMLP(c, t))
-        self.layers = nn.ModuleList(DecoderLayer(local, i, dtype, tp, make_mlp(local, i, tp))
+        layer_cls = layer or DecoderLayer
+        self.layers = nn.ModuleList(layer_cls(local, i, dtype, tp, make_mlp(local, i, tp))
                                     for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size), requires_grad=False)
         cos, sin = rope_tables(cfg, max_len, cfg.rope_theta, cfg.rope_scaling)
@@ -219,6 +236,8 @@ class DecoderModel(nn.Module):
         if self.tp.enabled:
             return False
         blockers = fast_path_blockers(self.cfg)
+        if type(self.decoder_layers[0]) is not DecoderLayer:
+            blockers.append(f"layer {type(self.decoder_layers[0]).__qualname__}")
         if blockers:
             log.info("captured_step_stepped_aside", model=self.cfg.checkpoint_architecture or self.cfg.architecture,
                      because=blockers)
@@ -294,9 +313,7 @@ class DecoderModel(nn.Module):
         q, kv, d = cfg.q_size, cfg.kv_size, cfg.hidden_size
         for i, layer in enumerate(self.decoder_layers):
             p = f"model.layers.{i}."
-            norms = ["input_norm", "post_norm"] + (["attn_out_norm", "mlp_out_norm"] if cfg.sandwich_norms else []) \
-                + (["q_norm", "k_norm"] if cfg.qk_norm else [])
-            for attr in norms:
+            for attr in layer.norms():
                 self._norm(getattr(layer, attr), tensors, p + names[attr] + ".weight")
             qkv_rows = (q, kv, kv) if len(names["qkv"]) == 3 else (q + 2 * kv,)
             layer.qkv = self._pack(quantizer, LinearSlot(p + "qkv", tuple(p + n for n in names["qkv"]), qkv_rows, d),
@@ -331,7 +348,8 @@ class DecoderModel(nn.Module):
         spec = quantizer.weight_spec(slot, tensors)
         if tuple(spec.shape) != slot.shape:
             raise ValueError(f"quantizer gave {slot.name} a {tuple(spec.shape)} weight, the model needs {slot.shape}")
-        spec = self.tp.shard(kind, slot.name, spec, self.cfg, type(quantizer).__name__)
+        if kind != "expert":  # an MoE expert is whole on the rank that holds it (TensorParallel.experts)
+            spec = self.tp.shard(kind, slot.name, spec, self.cfg, type(quantizer).__name__)
         return self.backend.pack_linear(spec_to(spec, self.embed.device), self.dtype)
 
     def weight_bytes_per_token(self) -> int:
