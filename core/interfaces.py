@@ -508,7 +508,7 @@ class DecodeModel:
     """What a backend needs to run a LLaMA model's decode step itself: the embedding (model
     dtype), float32 RoPE tables ``[max_len, head_dim]``, the layers and their shapes. The
     step adds the residual stream in float32 and returns it before the final norm, as
-    ``LlamaModel.forward`` does."""
+    ``DecoderModel.forward`` (plugins/models/decoder.py) does."""
 
     embed: torch.Tensor
     cos: torch.Tensor

@@ -57,12 +57,19 @@ def rope_of(raw: dict, model: str, key: str | None = None) -> tuple[float, RopeS
     if kind not in ("default", "linear", "dynamic", "llama3", "yarn", "longrope"):
         raise ConfigError(f"{model}: rope_scaling type {kind!r} is not implemented")
     fields = {f.name for f in dataclasses.fields(RopeScaling)}
-    kw = {k: v for k, v in scaling.items() if k in fields and v is not None}
+    kw: dict[str, Any] = {k: v for k, v in scaling.items() if k in fields and v is not None}
     for k in ("short_factor", "long_factor"):
         if k in kw:
             kw[k] = tuple(float(x) for x in kw[k])
-    if kind == "longrope" and "original_max_position_embeddings" not in kw:
-        kw["original_max_position_embeddings"] = raw.get("original_max_position_embeddings")
+    trained = raw.get("max_position_embeddings", 2048)
+    # the pre-scaling context, as transformers' standardize_rope_params fills it: Phi-3 keeps it
+    # next to rope_scaling (and that one wins), the others inside it; absent: max_position_embeddings
+    if kind == "longrope" and raw.get("original_max_position_embeddings"):
+        kw["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+    if kind in ("llama3", "yarn", "longrope"):
+        kw["original_max_position_embeddings"] = int(kw.get("original_max_position_embeddings") or trained)
+        if kind != "llama3" and "factor" not in kw:  # transformers: the ratio of the two contexts
+            kw["factor"] = trained / kw["original_max_position_embeddings"]
     return float(theta), RopeScaling(kind=kind, **kw)
 
 
@@ -205,8 +212,9 @@ class Mistral(Family):
 
 
 class Qwen2(Family):
-    """Qwen2 / Qwen2.5: q/k/v biases (and a window on layers past ``max_window_layers``
-    where ``use_sliding_window`` is set)."""
+    """Qwen2 / Qwen2.5: q/k/v biases.
+
+    A window on the layers past ``max_window_layers`` where ``use_sliding_window`` is set."""
 
     name = "qwen2"
     hf_architectures = ("Qwen2ForCausalLM",)
@@ -247,8 +255,10 @@ class Qwen3(Family):
 
 
 class Gemma2(Family):
-    """Gemma 2: GeGLU, sqrt(hidden) embedding scale, (1 + w) norms before and after attention
-    and the MLP, soft-capped scores and logits, local (window) and global layers alternating."""
+    """Gemma 2: GeGLU, sandwich (1 + w) norms, soft-caps, local and global layers alternating.
+
+    The embedding is scaled by sqrt(hidden); norms come before and after attention and the
+    MLP; scores and logits are soft-capped."""
 
     name = "gemma2"
     hf_architectures = ("Gemma2ForCausalLM",)
@@ -279,8 +289,9 @@ class Gemma2(Family):
 
 
 class Gemma3(Gemma2):
-    """Gemma 3 text: Gemma 2 without soft-caps, with per-head q/k norms, five local layers to
-    each global one, and a RoPE base of its own on the local layers."""
+    """Gemma 3 (text): Gemma 2 with q/k norms instead of soft-caps, 5 local layers per global.
+
+    The local (sliding-window) layers turn RoPE at a base of their own."""
 
     name = "gemma3"
     hf_architectures = ("Gemma3ForCausalLM",)
