@@ -14,6 +14,7 @@ from tokenloom.core.config import merge_layers, nested, parse_override
 # flag dest -> dotted config key
 ENGINE_FLAGS = {
     "model": "model",
+    "revision": "revision",
     "dtype": "dtype",
     "device": "device",
     "max_model_len": "max_model_len",
@@ -43,7 +44,9 @@ ENGINE_FLAGS = {
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine (flags override --config; see `tokenloom config`)")
     g.add_argument("--config", metavar="FILE", help="TOML config file")
-    g.add_argument("--model", "-m", help="smollm2-135m (default), a .gguf file or a Hugging Face directory")
+    g.add_argument("--model", "-m", help="smollm2-135m (default), a .gguf file, a Hugging Face directory, or a "
+                                          "Hugging Face id: org/name, org/name:Q4_K_M (one GGUF), org/name/file.gguf")
+    g.add_argument("--revision", help="the Hugging Face id's branch, tag or commit hash (default: main)")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--max-model-len", type=int)

@@ -15,7 +15,9 @@ def add_plan_parser(sub) -> None:
     # Defaults None: PlanOptions holds the engine's (importing it here would load torch for every command).
     p = sub.add_parser("plan", help="memory table: weights per format, KV cache, how many requests fit")
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
-                   help=f"{DEFAULT_MODEL} (default), a .gguf file, a Hugging Face directory or its config.json")
+                   help=f"{DEFAULT_MODEL} (default), a .gguf file, a Hugging Face directory or its config.json, "
+                        "or a Hugging Face id (org/name, org/name:Q4_K_M)")
+    p.add_argument("--revision", help="the Hugging Face id's branch, tag or commit hash (default: main)")
     p.add_argument("--quantizer", help="none, gguf, int8, fp8, rtn, gptq, awq (default: what the checkpoint says)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (auto: as the engine picks on this machine)")
@@ -49,7 +51,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     opts = PlanOptions(**{f: v for f, v in given.items() if v is not None})
     try:
         try:
-            path = resolve_model_path(args.model)
+            path = resolve_model_path(args.model, args.revision)
         except ConfigError as exc:
             raise ClientError(str(exc), param="model") from None
         draft = None

@@ -55,7 +55,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     pm = PluginManager()
     config = config_from_sources(pm, args.config, flags)
     t0 = time.perf_counter()
-    checkpoint = load_checkpoint(resolve_model_path(config.engine.model), contracts.model_formats(pm), torch.float32)
+    checkpoint = load_checkpoint(resolve_model_path(config.engine.model, config.engine.revision),
+                                 contracts.model_formats(pm), torch.float32)
     dense = dense_weights(checkpoint)
     captures = None
     if opts.needs_hessians or opts.method == "awq":

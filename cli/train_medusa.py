@@ -112,7 +112,8 @@ def _checkpoint_weights(engine):
     from tokenloom.core.runner import load_checkpoint
     from tokenloom.core.weights import dense_tensor
 
-    ckpt = load_checkpoint(resolve_model_path(engine.config.engine.model), contracts.model_formats(engine.pm),
+    e = engine.config.engine
+    ckpt = load_checkpoint(resolve_model_path(e.model, e.revision), contracts.model_formats(engine.pm),
                            torch.float32)
     embedding = dense_tensor(ckpt.weights["model.embed_tokens.weight"]).float()
     if ckpt.config.tie_word_embeddings:

@@ -45,6 +45,8 @@ class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Top-level keys (not tied to one strategy)."""
 
     model: str = DEFAULT_MODEL
+    # a Hugging Face id's branch, tag or commit hash (``model = "org/name"``); unset: main
+    revision: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bf16 where native, else fp32)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_model_len: int = 0  # 0 = the model's own context length
