@@ -1,4 +1,5 @@
-"""Hugging Face directories: config.json + *.safetensors + tokenizer.json."""
+"""Hugging Face directories: config.json + *.safetensors (or the shards that
+model.safetensors.index.json names) + tokenizer.json."""
 
 from __future__ import annotations
 
@@ -12,15 +13,15 @@ from tokenloom.core.loader import LoadedCheckpoint
 from tokenloom.core.models.config import ModelConfig
 from tokenloom.core.tokenizer import Tokenizer
 
+INDEX_FILE = "model.safetensors.index.json"
+
 
 def load_hf_dir(path: Path, dtype: torch.dtype, progress: Callable[[int, int], None] | None = None) -> LoadedCheckpoint:
     from safetensors import safe_open
 
     raw_cfg = json.loads((path / "config.json").read_text())
     cfg = ModelConfig.from_hf(raw_cfg)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{path} has no *.safetensors files")
+    files = safetensors_files(path)
     weights: dict[str, torch.Tensor] = {}
     for i, file in enumerate(files):
         with safe_open(str(file), framework="pt") as f:
@@ -38,8 +39,39 @@ def load_hf_dir(path: Path, dtype: torch.dtype, progress: Callable[[int, int], N
         weights.pop("lm_head.weight", None)
     tokenizer = Tokenizer.from_hf_dir(path, raw_cfg)
     quant = quantization_config(path, raw_cfg)
-    return LoadedCheckpoint(cfg, weights, tokenizer, name=path.name, format="hf",
+    return LoadedCheckpoint(cfg, weights, tokenizer, name=checkpoint_name(path), format="hf",
                             quant_method=quant.get("quant_method") if quant else None, quant_config=quant)
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The weight files: the shards ``model.safetensors.index.json`` names when there is one
+    (a directory may hold other .safetensors beside them, e.g. Mistral's consolidated copy),
+    else every ``*.safetensors``."""
+    index = path / INDEX_FILE
+    if not index.exists():
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{path} has no *.safetensors files")
+        return files
+    weight_map = json.loads(index.read_text()).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index} has no weight_map")
+    names = sorted(set(weight_map.values()))
+    missing = [n for n in names if not (path / n).is_file()]
+    if missing:
+        raise ValueError(f"{path}: {'shard' if len(missing) == 1 else 'shards'} {', '.join(missing)} named by "
+                         f"{INDEX_FILE} {'is' if len(missing) == 1 else 'are'} missing "
+                         f"({len(missing)} of {len(names)})")
+    return [path / n for n in names]
+
+
+def checkpoint_name(path: Path) -> str:
+    """The directory's name; for a Hugging Face cache snapshot
+    (``models--org--name/snapshots/<commit>``), the repository's (``name``), not the commit's."""
+    repo = path.parent.parent.name
+    if path.parent.name == "snapshots" and repo.startswith("models--") and repo.count("--") >= 2:
+        return repo.split("--", 2)[2]
+    return path.name
 
 
 def quantization_config(path: Path, raw_cfg: dict) -> dict | None:
