@@ -20,7 +20,10 @@ class RopeScaling:
     """How the rotary frequencies are scaled past the trained context (HF ``rope_scaling``).
 
     ``kind``: default (none), linear, dynamic (NTK, at the longest context the engine
-    serves), llama3, yarn or longrope; the other fields are the ones that kind reads."""
+    serves), llama3, yarn or longrope; the other fields are the ones that kind reads (as
+    transformers' ``rope_parameters`` names them; ``factor`` for yarn / longrope is filled by
+    the config reader with max_position_embeddings / original_max_position_embeddings where
+    the checkpoint gives none)."""
 
     kind: str = "default"
     factor: float = 1.0
@@ -29,6 +32,9 @@ class RopeScaling:
     high_freq_factor: float = 4.0  # llama3
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn: round the ramp's ends out to whole dimensions
+    mscale: float | None = None  # yarn (DeepSeek): with mscale_all_dim, the default attention_factor's numerator
+    mscale_all_dim: float | None = None  # yarn: ... and its denominator
     attention_factor: float | None = None  # yarn / longrope: the cos/sin magnitude (None: the kind's default)
     short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors up to the original context
     long_factor: tuple[float, ...] = ()  # longrope: past it
