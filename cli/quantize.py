@@ -56,7 +56,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     config = config_from_sources(pm, args.config, flags)
     t0 = time.perf_counter()
     checkpoint = load_checkpoint(resolve_model_path(config.engine.model, config.engine.revision),
-                                 contracts.model_formats(pm), torch.float32)
+                                 contracts.model_formats(pm), torch.float32, models=contracts.model_registry(pm))
     dense = dense_weights(checkpoint)
     captures = None
     if opts.needs_hessians or opts.method == "awq":

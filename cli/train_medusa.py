@@ -114,7 +114,7 @@ def _checkpoint_weights(engine):
 
     e = engine.config.engine
     ckpt = load_checkpoint(resolve_model_path(e.model, e.revision), contracts.model_formats(engine.pm),
-                           torch.float32)
+                           torch.float32, models=contracts.model_registry(engine.pm))
     embedding = dense_tensor(ckpt.weights["model.embed_tokens.weight"]).float()
     if ckpt.config.tie_word_embeddings:
         return embedding, embedding

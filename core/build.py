@@ -121,7 +121,8 @@ def load_second_model(config: EngineConfig, pm: PluginManager, backend, device, 
         options = msgspec.structs.replace(config.backend.options, batch_invariant=False)
         backend = contracts.build(pm.get("backend", config.backend.name), options, device)
     torch_dtype = pick_dtype(dtype, device)
-    ckpt = load_checkpoint(resolve_model_path(model or e.model, None if model else e.revision), contracts.model_formats(pm), torch_dtype)
+    ckpt = load_checkpoint(resolve_model_path(model or e.model, None if model else e.revision),
+                           contracts.model_formats(pm), torch_dtype, models=contracts.model_registry(pm))
     if num_layers is not None:
         if not 1 <= num_layers <= ckpt.config.num_layers:
             raise ValueError(f"num_layers must be in 1..{ckpt.config.num_layers}, got {num_layers}")
@@ -158,7 +159,8 @@ def build_runner(config: EngineConfig, pm: PluginManager, tp: TensorParallel, de
     e = config.engine
     dtype = pick_dtype(e.dtype, device)
     backend_entry = pm.get("backend", config.backend.name)
-    ckpt = load_checkpoint(resolve_model_path(e.model, e.revision), contracts.model_formats(pm), dtype, progress)
+    ckpt = load_checkpoint(resolve_model_path(e.model, e.revision), contracts.model_formats(pm), dtype, progress,
+                           models=contracts.model_registry(pm))
     mcfg, tokenizer, name, fmt = ckpt.config, ckpt.tokenizer, ckpt.name, ckpt.format
     max_model_len = min(e.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     backend: Backend = contracts.build(backend_entry, batch_invariant_options(config, device, tp), device)

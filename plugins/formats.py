@@ -27,9 +27,7 @@ class HFDirFormat:
     def claims(self, path: Path) -> bool:
         return path.is_dir() and (path / "config.json").exists()
 
-    @staticmethod
-    def load(path: Path, dtype, progress=None, models=None):
-        return load_hf_dir(path, dtype, progress)
+    load = staticmethod(load_hf_dir)
 
 
 @hookimpl

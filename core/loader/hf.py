@@ -6,21 +6,27 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenloom.core.loader import LoadedCheckpoint
-from tokenloom.core.models.config import ModelConfig
+from tokenloom.core.models.registry import default_registry
 from tokenloom.core.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from tokenloom.core.interfaces import ModelRegistry
 
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def load_hf_dir(path: Path, dtype: torch.dtype, progress: Callable[[int, int], None] | None = None) -> LoadedCheckpoint:
+def load_hf_dir(path: Path, dtype: torch.dtype, progress: Callable[[int, int], None] | None = None,
+                models: ModelRegistry | None = None) -> LoadedCheckpoint:
     from safetensors import safe_open
 
     raw_cfg = json.loads((path / "config.json").read_text())
-    cfg = ModelConfig.from_hf(raw_cfg)
+    arch = (models or default_registry()).for_hf(raw_cfg)  # the model plugin that claims it
+    cfg = arch.config_from_hf(raw_cfg)
     files = safetensors_files(path)
     weights: dict[str, torch.Tensor] = {}
     for i, file in enumerate(files):
@@ -39,7 +45,7 @@ def load_hf_dir(path: Path, dtype: torch.dtype, progress: Callable[[int, int], N
         weights.pop("lm_head.weight", None)
     tokenizer = Tokenizer.from_hf_dir(path, raw_cfg)
     quant = quantization_config(path, raw_cfg)
-    return LoadedCheckpoint(cfg, weights, tokenizer, name=checkpoint_name(path), format="hf",
+    return LoadedCheckpoint(cfg, weights, tokenizer, name=checkpoint_name(path), format="hf", architecture=arch,
                             quant_method=quant.get("quant_method") if quant else None, quant_config=quant)
 
 

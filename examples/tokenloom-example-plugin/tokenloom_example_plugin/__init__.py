@@ -1,4 +1,5 @@
-"""An example third-party plugin: the `shortest-first` scheduler.
+"""An example third-party plugin: the `shortest-first` scheduler, and a model family of
+its own (parallel_model.py: attention and the MLP side by side in each block).
 
 Shortest-job-first cuts mean latency when prompts vary a lot: among waiting requests it
 admits the one with the fewest tokens left to prefill. To keep a long prompt from
@@ -39,6 +40,13 @@ class ShortestFirstScheduler(ContinuousScheduler):
         for seq in batch.seqs:
             self._waited.pop(seq.seq_id, None)
         return batch
+
+
+@hookimpl
+def register_models(register):
+    from tokenloom_example_plugin.parallel_model import ParallelFamily
+
+    register(ParallelFamily.name, ParallelFamily)
 
 
 @hookimpl
