@@ -280,7 +280,11 @@ class ModelArchitecture(Protocol):
         the key and the model."""
 
     def config_from_gguf(self, meta: dict) -> ModelConfig:
-        """The same from GGUF metadata (``{arch}.block_count``, ...)."""
+        """The same from GGUF metadata (``{arch}.block_count``, ...) as core/loader/gguf_file.py's
+        ``read_metadata`` gives it: the key/values, and the tables llama.cpp's converter writes as
+        tensors (``rope_freqs``, ``rope_factors_long``, ``rope_factors_short``) as float tuples
+        under ``tensor.<name>``. The loader then sets ``tie_word_embeddings`` and ``vocab_size``
+        from the tensor list."""
 
     def gguf_tensor_name(self, name: str, cfg: ModelConfig) -> str | None:
         """The HF name of GGUF tensor ``name`` (``blk.3.attn_q.weight`` ->

@@ -81,7 +81,16 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+#: tables llama.cpp's converter writes as tensors where an HF config has keys (Llama 3's
+#: per-frequency RoPE divisors, Phi-3's longrope factors): metadata, read as ``tensor.<name>``
+GGUF_TABLES = ("rope_freqs", "rope_factors_long", "rope_factors_short")
+
+
 def read_metadata(reader) -> dict:
+    """The file's key/values, and the values of its ``GGUF_TABLES`` tensors as float tuples
+    under ``tensor.<name>`` (what the model families read their RoPE scaling from)."""
+    from gguf.quants import dequantize
+
     meta = {}
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):
@@ -90,6 +99,11 @@ def read_metadata(reader) -> dict:
             meta[key] = field.contents()
         except Exception:  # a field type this gguf version cannot decode; we do not need it
             continue
+    for t in reader.tensors:
+        name = t.name.removesuffix(".weight")
+        if name in GGUF_TABLES:
+            values = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1)
+            meta[f"tensor.{name}"] = tuple(float(v) for v in values)
     return meta
 
 
@@ -110,8 +124,11 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: Callable[[int, int], Non
     meta = read_metadata(reader)
     arch = models.for_gguf(meta.get("general.architecture", "?"))
     cfg = arch.config_from_gguf(meta)
-    names = {t.name for t in reader.tensors}
-    cfg = dataclasses.replace(cfg, tie_word_embeddings="output.weight" not in names)
+    shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors}
+    # from the tensor list: tied (no output.weight), and the vocabulary the embedding has rows for
+    # (Gemma 3's converter trims the embedding to the tokenizer's tokens)
+    vocab = shapes.get("token_embd.weight", (cfg.vocab_size,))[0]
+    cfg = dataclasses.replace(cfg, tie_word_embeddings="output.weight" not in shapes, vocab_size=vocab)
     permuted = arch.gguf_permuted_qk()
     weights: dict[str, torch.Tensor | GGUFTensor] = {}
     total = len(reader.tensors)

@@ -19,28 +19,145 @@ from tokenloom.core.errors import ConfigError
 from tokenloom.core.models.config import ModelConfig, RopeScaling
 from tokenloom.core.parallel import TensorParallel
 from tokenloom.plugins.models.decoder import DecoderModel
+from tokenloom.plugins.models.rope import inv_freq
 
-#: GGUF per-layer tensor names -> HF names (llama.cpp's gguf-py ``tensor_mapping``, the subset
-#: the families below use)
+#: GGUF per-layer tensor names -> HF names (llama.cpp's gguf-py ``tensor_mapping``): LLaMA's
+#: (Mistral's, Qwen2's with its q/k/v ``.bias``); a family maps its own (``Family.gguf_layer_names``)
 GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
+    "ffn_norm": "post_attention_layernorm",  # the norm before the MLP
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
-    "attn_qkv": "self_attn.qkv_proj",
     "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+#: per-head q/k norms (Qwen3, Gemma 3)
+GGUF_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+#: Gemma 2/3: ``ffn_norm`` is the norm before the MLP (HF ``pre_feedforward_layernorm``); the
+#: sandwich norms after attention and after the MLP have names of their own
+GGUF_GEMMA_NAMES = {**GGUF_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+#: Phi-3: q/k/v in one tensor and ``ffn_up`` holding gate and up, kept fused (the HF checkpoint's names)
+GGUF_PHI3_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                   "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
+                   "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"}
 GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-#: tensors the converter writes that the engine recomputes
+#: tables the converter writes as tensors: not weights; core/loader/gguf_file.py's read_metadata puts
+#: their values in the metadata as ``tensor.<name>``, where gguf_rope reads them
 GGUF_DROPPED = ("rope_freqs", "rope_factors_long", "rope_factors_short")
+#: the original context llama3 parameters are solved for from a ``rope_freqs`` table (Llama 3.x's own)
+LLAMA3_ORIGINAL_CONTEXT = 8192
+
+
+def gguf_window(g: Callable[..., Any], fields: dict[str, Any], *, default: int | None = None,
+                pattern: int | None = None, bounded: bool = True) -> dict[str, Any]:
+    """``{arch}.attention.sliding_window`` (``default`` where the file has none) and the layers it
+    applies to: ``{arch}.attention.sliding_window_pattern`` (a flag per layer, or n: every n-th
+    layer global, as llama.cpp's ``set_swa_pattern`` reads it), else ``pattern``, else every
+    layer. ``bounded``: only a window narrower than the context (as the HF readers)."""
+    window = g("attention.sliding_window", default)
+    n = fields["num_layers"]
+    if not window or (bounded and window >= fields["max_position_embeddings"]):
+        return {}
+    spec = g("attention.sliding_window_pattern", pattern)
+    types: tuple[str, ...] | None = None
+    if isinstance(spec, (list, tuple)):
+        if len(spec) < n:
+            raise ConfigError(f"GGUF attention.sliding_window_pattern has {len(spec)} flags for {n} layers")
+        types = tuple("sliding" if flag else "full" for flag in spec[:n])
+    elif spec is not None:
+        p = int(spec)
+        types = tuple("sliding" if p == 0 or i % p < p - 1 else "full" for i in range(n))
+    return {"sliding_window": int(window), "layer_types": types}
+
+
+def gguf_rope(meta: dict, arch: str, g: Callable[..., Any], fields: dict[str, Any]) -> RopeScaling:
+    """The rotary scaling of a GGUF file: ``{arch}.rope.scaling.*`` (linear, yarn) or the tables
+    llama.cpp's converter writes as tensors instead of keys (read into the metadata as
+    ``tensor.<name>``): Llama 3's ``rope_freqs`` (a divisor per frequency) and Phi-3's longrope
+    ``rope_factors_long`` / ``rope_factors_short``."""
+    kind = g("rope.scaling.type") or "none"
+    factor = float(g("rope.scaling.factor") or 0.0)  # llama.cpp: absent or 0 is no scaling
+    ctx = int(fields["max_position_embeddings"])
+    original = g("rope.scaling.original_context_length")
+    long_f, short_f = meta.get("tensor.rope_factors_long"), meta.get("tensor.rope_factors_short")
+    if long_f is not None or short_f is not None or kind == "longrope":
+        if long_f is None or short_f is None:
+            raise ConfigError(f"GGUF {arch}: longrope needs both the rope_factors_long and rope_factors_short tensors")
+        original = int(original or ctx)
+        attention = g("rope.scaling.attn_factor")
+        return RopeScaling(kind="longrope", factor=ctx / original, original_max_position_embeddings=original,
+                           attention_factor=None if attention is None else float(attention),
+                           short_factor=tuple(float(x) for x in short_f), long_factor=tuple(float(x) for x in long_f))
+    freqs = meta.get("tensor.rope_freqs")
+    if freqs is not None:
+        if kind not in ("none", "linear") or factor not in (0.0, 1.0):
+            raise ConfigError(f"GGUF {arch}: a rope_freqs tensor with rope.scaling.type {kind!r} is not implemented")
+        return rope_freqs_scaling(freqs, fields["rope_theta"], int(fields["head_dim"] * fields["partial_rotary_factor"]),
+                                  ctx)
+    if kind == "yarn":
+        original = int(original or ctx)
+        attention = g("rope.scaling.yarn_attn_factor")
+        return RopeScaling(kind="yarn", factor=factor or ctx / original, original_max_position_embeddings=original,
+                           beta_fast=float(g("rope.scaling.yarn_beta_fast", 32.0)),
+                           beta_slow=float(g("rope.scaling.yarn_beta_slow", 1.0)),
+                           attention_factor=None if attention is None else float(attention))
+    if kind in ("none", "linear"):  # llama.cpp reads a missing type as linear
+        return RopeScaling(kind="linear", factor=factor) if factor not in (0.0, 1.0) else RopeScaling()
+    raise ConfigError(f"GGUF {arch}: rope.scaling.type {kind!r} is not implemented")
+
+
+def rope_freqs_scaling(freqs: Any, theta: float, dim: int, ctx: int) -> RopeScaling:
+    """Llama 3's rotary scaling from llama.cpp's ``rope_freqs`` tensor: the converter writes each
+    frequency's divisor (1 for the fast ones, ``factor`` for the slow ones, a ramp between)
+    instead of the parameters. Here: the llama3 parameters that give those divisors (``factor``
+    the largest; low / high_freq_factor solved for an original context of 8192, which gives
+    back Llama 3.1's 1 and 4), checked against the table to 1e-5; a table no llama3 setting
+    gives is used as it is (longrope with it as both factor sets, magnitude 1)."""
+    r = [float(v) for v in freqs]
+    if len(r) != dim // 2:
+        raise ConfigError(f"GGUF rope_freqs has {len(r)} values; a rotary dimension of {dim} needs {dim // 2}")
+    as_is = RopeScaling(kind="longrope", original_max_position_embeddings=ctx, attention_factor=1.0,
+                        short_factor=tuple(r), long_factor=tuple(r))
+    f, tol = max(r), 1e-5
+    if all(abs(v - 1.0) <= tol for v in r):
+        return RopeScaling()
+    if min(r) < 1.0 - tol:
+        return as_is
+    x = [theta ** (-2 * i / dim) / (2 * math.pi) for i in range(dim // 2)]  # 1 / wavelength
+    low = [xi for xi, v in zip(x, r, strict=True) if abs(v - f) <= tol * f]
+    high = [xi for xi, v in zip(x, r, strict=True) if abs(v - 1.0) <= tol]
+    # the ramp between: s = 0 at the slow end (divisor f), 1 at the fast end (divisor 1), linear in 1 / wavelength
+    ramp = sorted((xi, (1 / v - 1 / f) / (1 - 1 / f)) for xi, v in zip(x, r, strict=True)
+                  if abs(v - f) > tol * f and abs(v - 1.0) > tol)
+    lo, hi = max(low, default=0.0), min(high, default=math.inf)
+    if len(ramp) >= 2:  # the line through the ramp's ends
+        (x0, s0), (x1, s1) = ramp[0], ramp[-1]
+        slope = (s1 - s0) / (x1 - x0)
+    elif ramp:  # one point: a line through it, steep enough that the slow and fast ones fall outside
+        ((x0, s0),) = ramp
+        slope = 2 * max(s0 / (x0 - lo) if x0 > lo else math.inf, (1 - s0) / (hi - x0) if hi < math.inf else 0.0)
+    else:  # no ramp: 0 and 1 a third and two thirds of the way from the slowest fast one to the fastest slow one
+        a, b = (lo + (hi - lo) / 3, lo + 2 * (hi - lo) / 3) if hi < math.inf else (1.5 * lo, 3 * lo)
+        x0, s0, slope = a, 0.0, 1 / (b - a) if b > a else math.inf
+    if not 0 < slope < math.inf:
+        return as_is
+    span = LLAMA3_ORIGINAL_CONTEXT / slope  # high_freq_factor - low_freq_factor
+    low_ff = -(s0 - slope * x0) * span
+    if low_ff <= 0:
+        return as_is
+    fit = RopeScaling(kind="llama3", factor=f, low_freq_factor=low_ff, high_freq_factor=low_ff + span,
+                      original_max_position_embeddings=LLAMA3_ORIGINAL_CONTEXT)
+    probe = ModelConfig(vocab_size=1, hidden_size=dim, intermediate_size=1, num_layers=1, num_heads=1, num_kv_heads=1,
+                        head_dim=dim, max_position_embeddings=ctx)
+    got, _ = inv_freq(probe, theta, fit, ctx)
+    want = [theta ** (-2 * i / dim) / v for i, v in enumerate(r)]
+    if max(abs(gv - w) / w for gv, w in zip(got.tolist(), want, strict=True)) > tol:
+        return as_is
+    return fit
 
 
 def rope_of(raw: dict, model: str, key: str | None = None) -> tuple[float, RopeScaling]:
@@ -145,46 +262,51 @@ class Family:
         """What the decoder cannot take at all, named (backend limits come at build)."""
 
     def config_from_gguf(self, meta: dict) -> ModelConfig:
-        arch = meta.get("general.architecture", self.gguf_architectures[0])
+        arch = meta.get("general.architecture", (self.gguf_architectures or (self.name,))[0])
 
         def g(key: str, default: Any = None) -> Any:  # Any: GGUF metadata values are whatever the file holds
             return meta.get(f"{arch}.{key}", default)
 
+        if g("expert_count"):
+            raise ConfigError(f"GGUF {arch}: {arch}.expert_count={g('expert_count')}: mixture-of-experts GGUF "
+                              f"files are not read (load the Hugging Face checkpoint)")
         heads = g("attention.head_count")
         hidden = g("embedding_length")
-        vocab = g("vocab_size") or len(meta["tokenizer.ggml.tokens"])
+        head_dim = g("attention.key_length") or hidden // heads  # llama.cpp's defaults
+        rotary = g("rope.dimension_count") or head_dim
+        if rotary > head_dim:
+            raise ConfigError(f"GGUF {arch}: rope.dimension_count {rotary} is wider than a head ({head_dim})")
+        vocab = g("vocab_size") or len(meta["tokenizer.ggml.tokens"])  # the loader corrects it from token_embd
         fields: dict[str, Any] = dict(
             vocab_size=vocab, hidden_size=hidden, intermediate_size=g("feed_forward_length"),
             num_layers=g("block_count"), num_heads=heads, num_kv_heads=g("attention.head_count_kv", heads),
-            head_dim=g("attention.key_length") or g("rope.dimension_count") or hidden // heads,
+            head_dim=head_dim, partial_rotary_factor=rotary / head_dim,
             rope_theta=float(g("rope.freq_base", 10000.0)),
             rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
             max_position_embeddings=g("context_length", 2048),
             tie_word_embeddings=False,  # the loader sets it from the tensor list
             architecture=self.name, checkpoint_architecture=f"GGUF {arch}")
-        scaling = g("rope.scaling.type")
-        if scaling not in (None, "none"):
-            if scaling != "linear":
-                raise ConfigError(f"GGUF {arch}: rope.scaling.type {scaling!r} is not implemented")
-            fields["rope_scaling"] = RopeScaling(kind="linear", factor=float(g("rope.scaling.factor", 1.0)))
+        fields["rope_scaling"] = gguf_rope(meta, arch, g, fields)
         fields.update(self.gguf_fields(meta, arch, g, fields))
         cfg = ModelConfig(**fields)
         self.check(cfg, f"GGUF {arch}")
         return cfg
 
+    #: GGUF per-layer tensor names (``blk.N.<name>``) -> HF names under ``model.layers.N.``
+    gguf_layer_names: dict[str, str] = GGUF_LAYER_NAMES
+
     def gguf_fields(self, meta: dict, arch: str, g: Callable[..., Any], fields: dict[str, Any]) -> dict[str, Any]:
-        """Family keys beyond the common ones (none for LLaMA)."""
-        if g("attention.sliding_window"):
-            raise ConfigError(f"GGUF {arch}: attention.sliding_window is not read for this family yet")
-        return {}
+        """Family keys beyond the common ones; LLaMA's: a sliding window where the file has one
+        (on every layer; llama.cpp's converter writes none for LLaMA or Mistral, llama.cpp reads none)."""
+        return gguf_window(g, fields)
 
     def gguf_tensor_name(self, name: str, cfg: ModelConfig) -> str | None:
         base, _, suffix = name.rpartition(".")
         parts = base.split(".")
         if parts[0] == "blk" and len(parts) == 3:
-            if parts[2] not in GGUF_LAYER_NAMES:
+            if parts[2] not in self.gguf_layer_names:
                 raise ValueError(f"GGUF tensor {name!r} is not one this engine knows for {cfg.checkpoint_architecture}")
-            return f"model.layers.{parts[1]}.{GGUF_LAYER_NAMES[parts[2]]}.{suffix}"
+            return f"model.layers.{parts[1]}.{self.gguf_layer_names[parts[2]]}.{suffix}"
         if base in GGUF_DROPPED:
             return None
         if base not in GGUF_GLOBAL_NAMES:
@@ -228,7 +350,7 @@ class Qwen2(Family):
         return fields
 
     def gguf_fields(self, meta, arch, g, fields):
-        return {"attention_bias": True}
+        return {**super().gguf_fields(meta, arch, g, fields), "attention_bias": True}
 
     def gguf_permuted_qk(self) -> bool:
         return False
@@ -247,8 +369,10 @@ class Qwen3(Family):
         self.window_fields(raw, model, fields)
         return {**fields, "qk_norm": True, "attention_bias": bool(raw.get("attention_bias", False))}
 
+    gguf_layer_names = {**GGUF_LAYER_NAMES, **GGUF_QK_NORM_NAMES}
+
     def gguf_fields(self, meta, arch, g, fields):
-        return {"qk_norm": True}
+        return {**super().gguf_fields(meta, arch, g, fields), "qk_norm": True}
 
     def gguf_permuted_qk(self) -> bool:
         return False
@@ -284,6 +408,28 @@ class Gemma2(Family):
             fields.update(sliding_window=int(window), layer_types=types)
         return fields
 
+    gguf_layer_names = GGUF_GEMMA_NAMES
+    gguf_default_window: int | None = 4096  # llama.cpp's Gemma 2 window where the file gives none
+    gguf_window_pattern = 2  # llama.cpp: every 2nd layer global, the first local
+    gguf_27b_layers = 46  # llama.cpp: the 27B scales queries by hidden / heads, the others by head_dim
+
+    def gguf_fields(self, meta, arch, g, fields):
+        """The converter stores the norms as 1 + w (no offset here). What the file does not carry
+        follows llama.cpp: the query scale (the 27B's by its layer count) and which layers are local."""
+        hidden, heads = fields["hidden_size"], fields["num_heads"]
+        scalar = hidden // heads if fields["num_layers"] == self.gguf_27b_layers else fields["head_dim"]
+        out: dict[str, Any] = dict(
+            hidden_act="gelu_tanh", embedding_multiplier=math.sqrt(hidden), norm_offset=0.0, sandwich_norms=True,
+            query_pre_attn_scalar=float(scalar),
+            attn_logit_softcap=float(g("attn_logit_softcapping") or 0.0) or None,
+            final_logit_softcap=float(g("final_logit_softcapping") or 0.0) or None)
+        out.update(gguf_window(g, fields, default=self.gguf_default_window, pattern=self.gguf_window_pattern,
+                               bounded=False))
+        local = g("rope.freq_base_swa")
+        if out.get("sliding_window") and local is not None and float(local) != fields["rope_theta"]:
+            out["rope_local_theta"] = float(local)
+        return out
+
     def gguf_permuted_qk(self) -> bool:
         return False
 
@@ -313,6 +459,17 @@ class Gemma3(Gemma2):
         fields.update(rope_theta=theta, rope_scaling=scaling, rope_local_theta=float(local), qk_norm=True)
         return fields
 
+    gguf_layer_names = {**GGUF_GEMMA_NAMES, **GGUF_QK_NORM_NAMES}
+    gguf_default_window = None  # llama.cpp: no window key, no local layers
+    gguf_window_pattern = 6
+    gguf_27b_layers = 62
+
+    def gguf_fields(self, meta, arch, g, fields):
+        out = {**super().gguf_fields(meta, arch, g, fields), "qk_norm": True}
+        if out.get("sliding_window"):  # the local layers' own base (llama.cpp's default 10000)
+            out["rope_local_theta"] = float(g("rope.freq_base_swa", 10000.0))
+        return out
+
 
 class Phi3(Family):
     """Phi-3 / Phi-3.5 / Phi-4-mini: q/k/v and gate/up fused in the checkpoint, longrope."""
@@ -322,6 +479,7 @@ class Phi3(Family):
     hf_model_types = ("phi3",)
     gguf_architectures = ("phi3",)
     names = {"qkv": ("self_attn.qkv_proj",), "gate_up": ("mlp.gate_up_proj",)}
+    gguf_layer_names = GGUF_PHI3_NAMES
 
     def gguf_permuted_qk(self) -> bool:
         return False
