@@ -85,6 +85,16 @@ class TensorParallel:
         units = split_evenly(n // unit, self.world_size, self.rank)
         return range(units.start * unit, units.stop * unit)
 
+    def experts(self, num_experts: int, rank: int | None = None) -> range:
+        """This rank's experts of a mixture-of-experts layer: whole experts, a contiguous share
+        of the indices (the first ``num_experts % world`` ranks one more), so each expert's
+        matmuls run unsplit on one rank and the layer's all-reduce adds the ranks' partial
+        sums; the router is on every rank. More ranks than experts is refused."""
+        if self.world_size > num_experts:
+            raise ConfigError(f"tensor_parallel_size {self.world_size} exceeds the model's {num_experts} experts: "
+                              "each rank holds whole experts (splitting an expert is not supported)")
+        return split_evenly(num_experts, self.world_size, self.rank if rank is None else rank)
+
     def vocab_shard_size(self, cfg: ModelConfig) -> int:
         return -(-cfg.vocab_size // self.world_size)
 

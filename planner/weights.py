@@ -2,10 +2,13 @@
 ``load_weights``):
 
 - the embedding table, dense in the compute dtype (a quantised GGUF's is dequantised);
-- the RMSNorm weights in float32: ``(2 * layers + 1) * hidden``;
+- the RMSNorm weights in float32: ``(2 * layers + 1) * hidden`` (Gemma's sandwich norms two
+  more per layer, Qwen3's per-head q/k norms ``2 * head_dim`` per layer);
+- a mixture-of-experts layer's router ``[experts, hidden]``, dense in the compute dtype;
 - every matmul in the weight format: per layer ``qkv [q + 2 kv, hidden]``, ``o [hidden, q]``,
-  ``gate_up [2 * inter, hidden]``, ``down [hidden, inter]``, and the output head
-  ``[vocab, hidden]``, which the engine packs on its own even when it is tied to the
+  ``gate_up [2 * inter, hidden]``, ``down [hidden, inter]`` -- in a mixture-of-experts layer
+  those two for every expert (all are held, though a token reads ``top_k``) -- and the output
+  head ``[vocab, hidden]``, which the engine packs on its own even when it is tied to the
   embedding (a second copy), and which some formats leave dense (``head_dense``).
 
 These are format sizes (what a kernel reading that format holds). The torch backend may hold
@@ -80,30 +83,51 @@ def matmul_bytes(fmt: WeightFormat, out: int, inp: int, dtype_bytes: int) -> int
     return out * cdiv(inp, per) * nbytes
 
 
-def layer_matmuls(cfg: ModelConfig) -> list[tuple[int, int]]:
-    """``(out, in)`` of one layer's fused matmuls: qkv, o, gate_up, down."""
+def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
+    return cfg.moe is not None and layer not in cfg.moe.dense_layers
+
+
+def layer_matmuls(cfg: ModelConfig, layer: int = 0) -> list[tuple[int, int]]:
+    """``(out, in)`` of layer ``layer``'s fused matmuls: qkv, o, gate_up, down; in a
+    mixture-of-experts layer gate_up and down once per expert."""
     h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    if cfg.moe is not None and is_moe_layer(cfg, layer):
+        f = cfg.moe.intermediate_size
+        return [(q + 2 * kv, h), (h, q)] + [(2 * f, h), (h, f)] * cfg.moe.num_experts
     return [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
 
 
+def norm_params(cfg: ModelConfig) -> int:
+    """Every RMSNorm weight: two per layer (four with sandwich norms), q/k norms, the final one."""
+    per_layer = (4 if cfg.sandwich_norms else 2) * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    return cfg.num_layers * per_layer + cfg.hidden_size
+
+
+def router_params(cfg: ModelConfig) -> int:
+    """The mixture-of-experts layers' routers, ``[experts, hidden]`` each."""
+    if cfg.moe is None:
+        return 0
+    return sum(is_moe_layer(cfg, i) for i in range(cfg.num_layers)) * cfg.moe.num_experts * cfg.hidden_size
+
+
 def num_params(cfg: ModelConfig) -> int:
-    """Embedding + (an untied head) + per layer the matmuls and two norms + the final norm."""
-    per_layer = sum(o * i for o, i in layer_matmuls(cfg)) + 2 * cfg.hidden_size
+    """Embedding + (an untied head) + every layer's matmuls (all experts) and routers + the norms."""
+    matmuls = sum(o * i for layer in range(cfg.num_layers) for o, i in layer_matmuls(cfg, layer))
     head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
-    return cfg.vocab_size * cfg.hidden_size + head + cfg.num_layers * per_layer + cfg.hidden_size
+    return cfg.vocab_size * cfg.hidden_size + head + matmuls + router_params(cfg) + norm_params(cfg)
 
 
 def dense_parts_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
-    """The embedding in ``dtype_bytes`` and the norms in float32."""
-    return cfg.vocab_size * cfg.hidden_size * dtype_bytes + (2 * cfg.num_layers + 1) * cfg.hidden_size * 4
+    """The embedding and the routers in ``dtype_bytes``, the norms in float32."""
+    return (cfg.vocab_size * cfg.hidden_size + router_params(cfg)) * dtype_bytes + norm_params(cfg) * 4
 
 
 def weight_bytes(cfg: ModelConfig, fmt: WeightFormat, dtype_bytes: int) -> int:
-    """What the engine holds in ``fmt``: dense parts + layers' matmuls + the head."""
+    """What the engine holds in ``fmt``: dense parts + layers' matmuls (every expert) + the head."""
     b = fmt.dense_bytes or dtype_bytes
     head = cfg.vocab_size * cfg.hidden_size * b if fmt.head_dense else \
         matmul_bytes(fmt, cfg.vocab_size, cfg.hidden_size, b)
-    layers = cfg.num_layers * sum(matmul_bytes(fmt, o, i, b) for o, i in layer_matmuls(cfg))
+    layers = sum(matmul_bytes(fmt, o, i, b) for layer in range(cfg.num_layers) for o, i in layer_matmuls(cfg, layer))
     return dense_parts_bytes(cfg, b) + layers + head
 
 
