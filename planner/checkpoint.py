@@ -45,8 +45,9 @@ def read_checkpoint(path) -> CheckpointInfo:
             from gguf import GGUFReader
 
             reader = GGUFReader(str(path))  # tensor data is memory-mapped, never read here
-            meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith(("general.", "llama."))}
-            if "llama.vocab_size" not in meta:  # model_config then counts the tokenizer's tokens
+            arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else "?"
+            meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith(("general.", f"{arch}."))}
+            if f"{arch}.vocab_size" not in meta:  # model_config then counts the tokenizer's tokens
                 meta["tokenizer.ggml.tokens"] = range(len(reader.fields["tokenizer.ggml.tokens"].data))
             tensors = [GGUFTensorInfo(t.name, t.tensor_type.name, int(t.n_elements), int(t.n_bytes))
                        for t in reader.tensors]
