@@ -23,7 +23,14 @@ dtype (``auto``, ``fp8``, ``int8``):
    backend under test prefills three prompts, then three decode steps each run by its
    captured step and by the same model op by op (skipped when it captures nothing);
 8. ``kv_bytes_per_token`` (what the engine sizes its KV pool with) against the bytes of
-   the tensors a pool from ``allocate_kv_cache`` really holds, per dtype and KV-cache dtype.
+   the tensors a pool from ``allocate_kv_cache`` really holds, per dtype and KV-cache dtype;
+9. sliding-window and soft-capped attention (``attention(..., window=, softcap=)``), per
+   :class:`WindowCase` (a window shorter than most contexts: decode rows shorter and longer
+   than it, a prompt from scratch, chunks over a cached prefix; a soft-cap small enough to
+   bite; both at once), a mixed step and then a decode-only step, against the kit's own
+   float32 reference (a plain masked softmax over the K/V the reference pool holds), not
+   against the torch backend. A backend that refuses a feature with a ConfigError at the call
+   (as the Backend contract allows) is reported as not supported: ``None`` for that op.
 
 KV pools are opaque: a backend's layout is its own, so the pools are compared directly only
 where they have the torch backend's form (same type, shape and dtype); otherwise the KV
@@ -55,6 +62,7 @@ from typing import Any
 import torch
 
 from tokenloom.core.attention import AttentionInputs, PrefillSpan, apply_rope
+from tokenloom.core.errors import ConfigError
 from tokenloom.core.weights import Fp8Weight, QuantizedWeight, dequantize
 from tokenloom.testing import ConformanceError
 
@@ -91,6 +99,34 @@ KIT_BACKEND_CASES: tuple[BackendCase, ...] = (
     BackendCase(6, 2, 128, 32, (45, 70, 33)),  # GQA 3, no prefill
     BackendCase(8, 1, 64, 16, (), ((13, 13), (3, 41), (1, 18))),  # GQA 8, no decode
     BackendCase(8, 1, 128, 32, (1100, 9), ((20, 50),)),  # GQA 8, a long context (split-K)
+)
+
+
+@dataclass(frozen=True, slots=True)
+class WindowCase:
+    """A sliding-window (``window`` tokens) and/or soft-capped (``softcap``) layer's attention
+    over the sequences of ``case``; None: without that feature."""
+
+    case: BackendCase
+    window: int | None = None
+    softcap: float | None = None
+
+    @property
+    def feature(self) -> str:
+        return " + ".join(name for name, on in (("sliding window", self.window is not None),
+                                                 ("soft-cap", self.softcap is not None)) if on)
+
+    def __str__(self) -> str:
+        return f"{self.case}; window={self.window} softcap={self.softcap}"
+
+
+_WINDOW_SHAPE = BackendCase(6, 2, 64, 16, (5, 24, 61), ((40, 40), (9, 50), (3, 30)))
+KIT_WINDOW_CASES: tuple[WindowCase, ...] = (
+    # decode contexts shorter than, equal to and longer than the window; a prompt from scratch
+    # longer than it; a chunk and a last token with drafts over a cached prefix
+    WindowCase(_WINDOW_SHAPE, window=24),
+    WindowCase(_WINDOW_SHAPE, softcap=5.0),
+    WindowCase(BackendCase(8, 1, 128, 32, (70, 9), ((37, 37), (6, 66))), window=20, softcap=5.0),  # GQA 8
 )
 
 
@@ -167,7 +203,7 @@ class _Kit:
         self.cand, self.ref, self.device = cand, ref, device
         self.gen = torch.Generator().manual_seed(seed)
         self.tolerances = tolerances
-        self.report: dict[str, float] = {}
+        self.report: dict[str, float | None] = {}
 
     def randn(self, *shape, dtype=torch.float32, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape, generator=self.gen) * scale).to(device=self.device, dtype=dtype)
@@ -175,7 +211,7 @@ class _Kit:
     def check(self, op: str, where: str, got, want, dtype: torch.dtype, extra_atol: float = 0.0) -> None:
         atol, rtol = self.tolerances[dtype]
         diff = _close(op, where, got, want, atol + extra_atol, rtol)
-        self.report[op] = max(self.report.get(op, 0.0), diff)
+        self.report[op] = max(self.report.get(op) or 0.0, diff)
 
     @property
     def backends(self) -> tuple[Any, Any]:
@@ -315,6 +351,78 @@ class _Kit:
                 self.check(f"{op} ({name} pool)", where, _slots_of(got, slots), _slots_of(want, slots),
                            torch.float32, extra + self.tolerances[dtype][0])
 
+    def window_case(self, wc: WindowCase, dtype: torch.dtype, kv_dtype: str) -> None:
+        """A mixed step (decode rows and prefill chunks) and then a decode-only step of a
+        windowed / soft-capped layer, against :func:`reference_attention` over the K/V of the
+        reference backend's pool (the same writes); the candidate refusing it with a
+        ConfigError: None in the report."""
+        case = wc.case
+        where = f"{wc}; dtype={str(dtype).removeprefix('torch.')} kv_cache_dtype={kv_dtype}"
+        op = f"attention ({wc.feature})"
+        H, KVH, D, bs = case.num_heads, case.num_kv_heads, case.head_dim, case.block_size
+        extra = KV8_ATOL[kv_dtype]
+        seqs = [(n, 1) for n in case.decode_context_lens] + [(n, q) for q, n in case.prefills]
+        need = [(n + 1 + bs - 1) // bs for n, _ in seqs]
+        num_blocks = sum(need) + 1
+        perm = torch.randperm(num_blocks, generator=self.gen).tolist()
+        tables = []
+        for k in need:
+            tables.append(perm[:k])
+            perm = perm[k:]
+        pools = [b.allocate_kv_cache(1, num_blocks, bs, KVH, D, dtype, kv_dtype)[0] for b in self.backends]
+
+        def slots(i: int, positions) -> list[int]:
+            return [tables[i][p // bs] * bs + p % bs for p in positions]
+
+        hist = [s for i, (n, q) in enumerate(seqs) for s in slots(i, range(n - q))]
+        if hist:
+            mapping = torch.tensor(hist, device=self.device)
+            k, v = self.randn(len(hist), KVH, D, dtype=dtype), self.randn(len(hist), KVH, D, dtype=dtype)
+            for backend, (kc, vc) in zip(self.backends, pools, strict=True):
+                backend.write_kv(kc, vc, k, v, mapping)
+        decodes = range(len(case.decode_context_lens))
+        steps = [("mixed step", [(i, n, q) for i, (n, q) in enumerate(seqs)])]
+        if case.decode_context_lens:
+            steps.append(("decode-only step", [(i, seqs[i][0] + 1, 1) for i in decodes]))
+        for label, rows in steps:
+            inp = AttentionInputs(slot_mapping=None, block_size=bs)  # type: ignore[arg-type]
+            mapping, queries, row = [], [], 0
+            for i, n, q in rows:
+                mapping += slots(i, range(n - q, n))
+                queries.append((row, q, slots(i, range(n))))
+                if q == 1 and i in decodes:
+                    inp.decode_rows.append(row)
+                    inp.decode_context_lens.append(n)
+                    inp.decode_block_tables.append(tables[i])
+                else:
+                    inp.prefills.append(PrefillSpan(row, row + q, n, tables[i]))
+                row += q
+            inp.slot_mapping = torch.tensor(mapping, dtype=torch.long, device=self.device)
+            # q scaled up: scores of a few units, so that a soft-cap of 5 changes them
+            q, k, v = (self.randn(row, H, D, dtype=dtype, scale=3.0), self.randn(row, KVH, D, dtype=dtype),
+                       self.randn(row, KVH, D, dtype=dtype))
+            meta = self.cand.prepare(inp)
+            for backend, (kc, vc) in zip(self.backends, pools, strict=True):
+                backend.write_kv(kc, vc, k, v, inp.slot_mapping)
+            kc, vc = pools[0]
+            try:
+                got = self.cand.attention(q, k, v, kc, vc, meta, D ** -0.5, window=wc.window, softcap=wc.softcap)
+            except ConfigError:
+                self.report.setdefault(op, None)  # not supported (wherever it is refused)
+                return
+            except TypeError as exc:
+                raise ConformanceError(f"{op} [{where}; {label}]: attention() does not take window= / softcap= "
+                                       f"({exc}); the Backend contract has them (refuse with a ConfigError "
+                                       "where they are not implemented)") from exc
+            kr, vr = pools[1]
+            want = torch.empty(q.shape, dtype=torch.float32)
+            for start, q_len, keys in queries:
+                key_slots = torch.tensor(keys, device=self.device)
+                want[start:start + q_len] = reference_attention(
+                    q[start:start + q_len], _slots_of(kr, key_slots), _slots_of(vr, key_slots), D ** -0.5,
+                    window=wc.window, softcap=wc.softcap).cpu()
+            self.check(op, f"{where}; {label}", got, want.to(dtype=dtype, device=self.device), dtype, extra)
+
     def kv_sizing(self, dtype: torch.dtype, kv_dtype: str) -> None:
         """``kv_bytes_per_token`` times the tokens a pool holds is the bytes it really holds."""
         layers, blocks, bs, kv_heads, head_dim = 3, 5, 16, 2, 64
@@ -440,6 +548,31 @@ class _Kit:
                 ("int4 g64 act-order", q4(32, 192, 64, True)), ("int8 per-channel", int8), ("fp8 e4m3", fp8)]
 
 
+def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, *,
+                        window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """The kit's float32 attention of one sequence's last ``len(q)`` positions over all its
+    keys: q [q, H, D], keys/values [KVH, n, D] (positions 0..n-1; query i at position
+    n - len(q) + i sees keys j <= its position and, with a window, j > position - window);
+    scores ``q k^T * scale``, soft-capped (``softcap * tanh(s / softcap)``) if asked, a
+    softmax, times the values. Returns float32 [q, H, D]."""
+    nq, H, D = q.shape
+    kv_heads, n, _ = keys.shape
+    group = H // kv_heads
+    qf = q.float().transpose(0, 1)  # [H, q, D]
+    k = keys.float().repeat_interleave(group, dim=0)  # [H, n, D]
+    v = values.float().repeat_interleave(group, dim=0)
+    scores = qf @ k.transpose(1, 2) * scale  # [H, q, n]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    pos = torch.arange(n - nq, n, device=q.device)[:, None]
+    j = torch.arange(n, device=q.device)[None, :]
+    seen = j <= pos
+    if window is not None:
+        seen &= j > pos - window
+    probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+    return (probs @ v).transpose(0, 1)
+
+
 class _DenseWeights:
     """The quantizer the captured-step check loads its random weights with: as they are."""
 
@@ -466,12 +599,14 @@ def check_backend(backend: str | Callable[..., Any], *, options: Any = None, dev
                   plugins: Sequence[Any] = (), cases: Sequence[BackendCase] = KIT_BACKEND_CASES,
                   dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16),
                   kv_cache_dtypes: Sequence[str] = ("auto", "fp8", "int8"), seed: int = 0,
-                  tolerances: dict[torch.dtype, tuple[float, float]] | None = None) -> dict[str, float]:
+                  tolerances: dict[torch.dtype, tuple[float, float]] | None = None,
+                  window_cases: Sequence[WindowCase] = KIT_WINDOW_CASES) -> dict[str, float | None]:
     """Run every Backend op of ``backend`` against the ``torch`` backend (see the module
     docstring). ``backend``: a registered name (``plugins`` are registered first; ``options``
     a dict or the backend's options struct) or a factory ``(options, device) -> Backend``.
     Raises :class:`ConformanceError` at the first mismatch; returns the largest difference
-    seen per op."""
+    seen per op, None for a windowed / soft-capped attention op the backend refused with a
+    ConfigError everywhere it was tried (not supported)."""
     from tokenloom.backends.torch_backend import TorchBackend, TorchBackendOptions
 
     device = torch.device(device)
@@ -488,4 +623,7 @@ def check_backend(backend: str | Callable[..., Any], *, options: Any = None, dev
             for case in cases:
                 for kv_dtype in kv_cache_dtypes:
                     kit.attention_case(case, dtype, kv_dtype)
+            for wc in window_cases:
+                for kv_dtype in kv_cache_dtypes:
+                    kit.window_case(wc, dtype, kv_dtype)
     return kit.report

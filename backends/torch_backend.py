@@ -14,11 +14,24 @@ A per-token scale needs no calibration, is never re-quantised as a block fills, 
 with its slot. Every read dequantises (``data * scale`` in the compute dtype), including
 a prefill with nothing cached, which reads its own just-written slots back, so a prompt
 sees the same K/V whether it is computed at once, in chunks or from cached blocks.
+
+Sliding windows and soft-caps (``attention(..., window=, softcap=)``; Mistral, Phi-3, Qwen2 and
+Gemma's sliding layers, Gemma 2's soft-cap): a query at position p sees keys at positions
+j > p - window only; scores (after the scale) become ``softcap * tanh(score / softcap)``
+before the softmax. Every path has them: decode rows in the C++ op (it skips the keys before
+``context_len - window``) or, on the torch path and for 8-bit pools, through a windowed -inf
+bias; a prefill span through SDPA with an explicit causal-and-window mask (positions, not
+slots: a draft tree's node sits at its depth), or, with a soft-cap, which SDPA has not, its
+scores computed in float32 a few query rows at a time; the batch-invariant mode in the C++
+``slot_attention``. The masks are built on the first such layer of a step and kept in the
+step's metadata; without a window or a soft-cap none of this runs. A window at least as long
+as a span's context is no window (no mask is built for it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import torch
@@ -63,6 +76,8 @@ class TorchAttnMeta:
     # the batch-invariant mode's attention inputs: (slot_rows [R, W], q_row [T], q_len [T]),
     # every query of the step (kernels/csrc/attention.h ``slot_attention``)
     slots: tuple | None = None
+    inputs: AttentionInputs | None = None  # the step's inputs (a window's masks are built from them)
+    windowed: dict[Any, torch.Tensor] | None = None  # masks and biases of a window, built on first use
 
 
 KV_STORAGE = {"fp8": (torch.float8_e4m3fn, 448.0), "int8": (torch.int8, 127.0)}  # dtype, qmax
@@ -276,7 +291,8 @@ class TorchBackend:
             if self.fused_decode is None:  # the torch path: flat padded blocks and a -inf bias
                 meta = _padded_decode(TorchAttnMeta(inp.slot_mapping, decode_rows, None, None, [], decode_tables,
                                                     decode_lens), bs)
-                decode_blocks, decode_bias, decode_tables, decode_lens = meta.decode_blocks, meta.decode_bias, None, None
+                # (the lengths stay: a sliding window's bias is built from them)
+                decode_blocks, decode_bias, decode_tables = meta.decode_blocks, meta.decode_bias, None
         prefills = []
         for i, span in enumerate(inp.prefills):
             if span.q_len == span.context_len and span.tree_parents is None:  # nothing cached: the new K/V directly
@@ -292,7 +308,7 @@ class TorchBackend:
                     _tree_mask(span.tree_parents, dev)
             prefills.append((span.q_start, span.q_end, blocks, span.context_len, mask))
         return TorchAttnMeta(inp.slot_mapping, decode_rows, decode_blocks, decode_bias, prefills, decode_tables,
-                             decode_lens)
+                             decode_lens, inputs=inp)
 
     def move_kv_slots(self, kv_caches, src: list[int], dst: list[int]) -> None:
         """Copy the KV of flat slots ``src`` to slots ``dst`` in every layer (a tree's
@@ -334,9 +350,10 @@ class TorchBackend:
 
     def attention(self, q, k, v, k_cache, v_cache, meta: TorchAttnMeta, scale: float, window: int | None = None,
                   softcap: float | None = None):
-        """q: [T, H, D]; k, v: [T, KVH, D] (this step's); returns [T, H, D]."""
+        """q: [T, H, D]; k, v: [T, KVH, D] (this step's); returns [T, H, D]. ``window`` /
+        ``softcap``: a sliding-window or soft-capped layer (see :meth:`_windowed_attention`)."""
         if window is not None or softcap is not None:
-            raise NotImplementedError("attention with a window or a soft-cap")
+            return self._windowed_attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
         if meta.slots is not None:  # the batch-invariant mode: every query alike
             return self.fused_decode.slot_attention(q, k_cache, v_cache, *meta.slots, scale)
         if not meta.prefills and meta.decode_rows is not None and meta.decode_rows.numel() == q.shape[0]:
@@ -363,6 +380,51 @@ class TorchBackend:
             out[q_start:q_end] = o.transpose(0, 1)
         return out
 
+    def _windowed_attention(self, q, k, v, k_cache, v_cache, meta: TorchAttnMeta, scale: float,
+                            window: int | None, softcap: float | None):
+        """:meth:`attention` of a sliding-window (``window`` tokens) and/or soft-capped layer, on
+        the same paths as the plain one: decode rows by the C++ op (its ``window`` / ``softcap``
+        arguments) or the torch path with a windowed bias; prefill spans by SDPA with a causal
+        (or tree) mask and the window, or with a soft-cap by explicit float32 scores; the
+        batch-invariant mode by ``slot_attention`` (its ``window`` / ``softcap`` arguments)."""
+        if (window is not None and window < 1) or (softcap is not None and not softcap > 0):
+            from tokenloom.core.errors import ConfigError
+
+            raise ConfigError(f"attention: a sliding window must be at least 1 token and a soft-cap positive, got "
+                              f"window={window} softcap={softcap}")
+        if meta.slots is not None:  # the batch-invariant mode: every query alike
+            return self.fused_decode.slot_attention(q, k_cache, v_cache, *meta.slots, scale, window or 0,
+                                                    softcap or 0.0)
+        if not meta.prefills and meta.decode_rows is not None and meta.decode_rows.numel() == q.shape[0]:
+            return self._decode_windowed(q, k_cache, v_cache, meta, scale, window, softcap)
+        out = torch.empty_like(q)
+        kv_heads, _, _, head_dim = k_cache.shape
+        quantized = isinstance(k_cache, QuantizedKV)
+        if meta.decode_rows is not None:
+            out[meta.decode_rows] = self._decode_windowed(q[meta.decode_rows], k_cache, v_cache, meta, scale, window,
+                                                          softcap)
+        for i, (q_start, q_end, blocks, context_len, mask) in enumerate(meta.prefills):
+            qs = q[q_start:q_end].transpose(0, 1)  # [H, q, D]
+            if blocks is None:  # nothing cached (mask None: causal)
+                if quantized:
+                    slots = meta.slot_mapping[q_start:q_end]
+                    ks, vs = k_cache.gather_slots(slots), v_cache.gather_slots(slots)
+                else:
+                    ks, vs = k[q_start:q_end].transpose(0, 1), v[q_start:q_end].transpose(0, 1)
+            else:
+                ks = _gather(k_cache, blocks).view(kv_heads, -1, head_dim)[:, :context_len]
+                vs = _gather(v_cache, blocks).view(kv_heads, -1, head_dim)[:, :context_len]
+            if (window is not None and window < context_len) or (softcap is not None and mask is None):
+                mask = _window_mask(meta, i, window)  # (window None: the causal mask, for the explicit scores)
+            if softcap is not None:
+                o = _softcapped_attention(qs, ks, vs, scale, softcap, mask)
+            elif mask is None:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[q_start:q_end] = o.transpose(0, 1)
+        return out
+
     def decode_attention_block(self, qkv, cos, sin, k_cache, v_cache, meta: TorchAttnMeta, num_heads: int,
                                scale: float):
         """A pure decode step with the fused op: RoPE, the KV write and attention in one C++
@@ -375,6 +437,18 @@ class TorchBackend:
         return self.fused_decode.decode_layer_attention(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
                                                         meta.decode_tables, meta.decode_lens, num_heads, scale)
 
+    def _decode_windowed(self, q, k_cache, v_cache, meta: TorchAttnMeta, scale: float, window: int | None,
+                         softcap: float | None):
+        """Decode rows of a sliding-window / soft-capped layer: the C++ op where the plain
+        rows take it, else the torch path with the window's bias."""
+        if meta.decode_tables is not None:
+            if not isinstance(k_cache, QuantizedKV):
+                return self.fused_decode.paged_decode_attention(q, k_cache, v_cache, meta.decode_tables,
+                                                                meta.decode_lens, scale, window or 0, softcap or 0.0)
+            meta = _padded_decode(meta, k_cache.shape[2])
+        bias = meta.decode_bias if window is None else _window_bias(meta, window)
+        return self._decode(q, k_cache, v_cache, meta, scale, bias, softcap)
+
     def _decode_any(self, q, k_cache, v_cache, meta: TorchAttnMeta, scale: float):
         if meta.decode_tables is not None:
             if not isinstance(k_cache, QuantizedKV):
@@ -384,8 +458,10 @@ class TorchBackend:
         return self._decode(q, k_cache, v_cache, meta, scale)
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, meta: TorchAttnMeta, scale: float):
-        # q: [B, H, D] -> [KVH * B, G, D]; keys gathered to [KVH * B, L, D]
+    def _decode(q, k_cache, v_cache, meta: TorchAttnMeta, scale: float, bias: torch.Tensor | None = None,
+                softcap: float | None = None):
+        # q: [B, H, D] -> [KVH * B, G, D]; keys gathered to [KVH * B, L, D]; ``bias`` (None:
+        # ``meta.decode_bias``) [B, 1, L] 0 where a key is seen, -inf where not
         B, H, D = q.shape
         kv_heads = k_cache.shape[0]
         group = H // kv_heads
@@ -398,7 +474,9 @@ class TorchBackend:
             keys, values = keys.float(), values.float()
         qg = q.view(B, kv_heads, group, D).transpose(0, 1).reshape(kv_heads * B, group, D).to(keys.dtype)
         scores = torch.bmm(qg, keys.transpose(1, 2)).float() * scale
-        scores = scores.view(kv_heads, B, group, -1) + meta.decode_bias
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.view(kv_heads, B, group, -1) + (meta.decode_bias if bias is None else bias)
         probs = torch.softmax(scores, dim=-1).to(values.dtype).view(kv_heads * B, group, -1)
         out = torch.bmm(probs, values).to(q.dtype)  # [KVH * B, G, D]
         return out.view(kv_heads, B, group, D).transpose(0, 1).reshape(B, H, D)
@@ -501,6 +579,78 @@ def _padded_decode(meta: TorchAttnMeta, block_size: int) -> TorchAttnMeta:
             .masked_fill_(~valid, float("-inf"))[:, None, :]
         meta.decode_blocks = tables.reshape(-1)
     return meta
+
+
+def _window_bias(meta: TorchAttnMeta, window: int) -> torch.Tensor:
+    """The decode rows' bias [B, 1, L] under a sliding window: 0 for the keys at positions
+    ``context_len - window`` .. ``context_len - 1``, -inf elsewhere (built once per step)."""
+    if meta.windowed is None:
+        meta.windowed = {}
+    bias = meta.windowed.get(("decode", window))
+    if bias is None:
+        lens = meta.decode_lens[:, None]
+        j = torch.arange(meta.decode_bias.shape[-1], device=lens.device)[None, :]
+        seen = (j < lens) & (j >= lens - window)
+        bias = torch.zeros(seen.shape, dtype=torch.float32, device=lens.device) \
+            .masked_fill_(~seen, float("-inf"))[:, None, :]
+        meta.windowed[("decode", window)] = bias
+    return bias
+
+
+def _window_mask(meta: TorchAttnMeta, i: int, window: int | None) -> torch.Tensor:
+    """Prefill span ``i``'s mask [q_len, context_len] (True: seen) under a sliding window: its
+    causal (or draft-tree) mask and ``query position - key position < window`` (window None:
+    the causal / tree mask alone). Positions, not slots: a draft tree's node and its key sit at
+    the node's depth after the context before the tree (core/runner.py), everything else at
+    its slot's index. Built once per step."""
+    if meta.windowed is None:
+        meta.windowed = {}
+    got = meta.windowed.get((i, window))
+    if got is not None:
+        return got
+    q_start, q_end, _, context_len, mask = meta.prefills[i]
+    q_len = q_end - q_start
+    device = meta.slot_mapping.device
+    key_pos = torch.arange(context_len, device=device)
+    parents = meta.inputs.prefills[i].tree_parents if meta.inputs is not None else None
+    if parents:
+        depth: list[int] = []
+        for p in parents:  # (a node's parent comes before it)
+            depth.append(0 if p < 0 else depth[p] + 1)
+        before = context_len - len(parents)
+        key_pos[before:] = before + torch.tensor(depth, device=device)
+    dist = key_pos[context_len - q_len:, None] - key_pos[None, :]  # query i is key context_len - q_len + i
+    seen = mask.clone() if mask is not None else dist >= 0
+    if window is not None:
+        seen &= dist < window
+    meta.windowed[(i, window)] = seen
+    return seen
+
+
+#: score elements (float32) one step of the soft-capped prefill computes at a time (64 MiB)
+SOFTCAP_CHUNK = 1 << 24
+
+
+def _softcapped_attention(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, scale: float, softcap: float,
+                          mask: torch.Tensor) -> torch.Tensor:
+    """Attention with soft-capped scores, which SDPA has not: qs [H, q, D], ks/vs [KVH, n, D],
+    ``mask`` [q, n] bool (True: seen). In float32: ``scores = q k^T * scale``, ``softcap *
+    tanh(scores / softcap)``, masked, softmax, times v; a block of query rows at a time
+    (:data:`SOFTCAP_CHUNK` scores). Returns [H, q, D] in qs's dtype."""
+    H, nq, D = qs.shape
+    kv_heads, n, _ = ks.shape
+    group = H // kv_heads
+    qf = qs.float().reshape(kv_heads, group, nq, D)
+    kt = ks.float().transpose(1, 2)[:, None]  # [KVH, 1, D, n]
+    vf = vs.float()[:, None]  # [KVH, 1, n, D]
+    out = torch.empty(kv_heads, group, nq, D, dtype=torch.float32, device=qs.device)
+    rows = max(1, SOFTCAP_CHUNK // max(1, H * n))
+    for r0 in range(0, nq, rows):
+        r1 = min(nq, r0 + rows)
+        scores = torch.matmul(qf[:, :, r0:r1], kt).mul_(scale).div_(softcap).tanh_().mul_(softcap)
+        scores.masked_fill_(~mask[r0:r1], float("-inf"))
+        out[:, :, r0:r1] = torch.matmul(torch.softmax(scores, dim=-1), vf)
+    return out.view(H, nq, D).to(qs.dtype)
 
 
 def _query_slots(inp: AttentionInputs, t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

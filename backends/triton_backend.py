@@ -8,7 +8,10 @@ the residual add, and the 4-bit (GPTQ/AWQ) and fp8 weight matmuls. Everything el
 torch backend's, inherited: the KV pool layout ``[kv_heads, num_blocks, block_size,
 head_dim]`` and its 8-bit ``QuantizedKV`` form (so both backends' pools mean the same
 bytes), ``copy_blocks``, ``move_kv_slots``, ``silu_mul``, dense and 8-bit matmuls, and
-attention for a step with a draft tree (its mask is not in the kernels).
+attention for a step with a draft tree (its mask is not in the kernels) and for sliding-window
+and soft-capped layers (the kernels have neither: such a layer's attention is the torch
+backend's, from the torch metadata of the same step, built on its first such layer; the
+other layers of the step keep the kernels).
 
 It needs a CUDA device, or ``TRITON_INTERPRET=1`` set before start-up: Triton's
 interpreter then runs the kernels on CPU tensors (about 1000x slower than torch; for
@@ -59,6 +62,8 @@ class TritonAttnMeta:
     prefill_q_lens: torch.Tensor | None = None  # [S]
     prefill_max_q_len: int = 0
     fallback: TorchAttnMeta | None = None  # a draft tree in the step: the torch backend's attention
+    inputs: AttentionInputs | None = None  # the step's inputs, for windowed layers' ``torch_meta``
+    torch_meta: TorchAttnMeta | None = None  # the torch backend's metadata, built by the first windowed layer
 
 
 def _check_usable(device: torch.device) -> None:
@@ -112,7 +117,7 @@ class TritonBackend(TorchBackend):
         """The step's tensors (``inp.tensors``), as int32 for the kernels."""
         if any(span.tree_parents for span in inp.prefills):
             return TritonAttnMeta(inp.slot_mapping, fallback=super().prepare(inp))
-        meta = TritonAttnMeta(inp.slot_mapping)
+        meta = TritonAttnMeta(inp.slot_mapping, inputs=inp)
         t = inp.tensors(self.device)
         if t.decode_rows is not None:
             meta.decode_rows = t.decode_rows.int()
@@ -133,11 +138,18 @@ class TritonBackend(TorchBackend):
         vc, vs = _pool(v_cache)
         self.kernels.write_kv(k, v, kc, vc, slot_mapping, k_scale=ks, v_scale=vs)
 
-    def attention(self, q, k, v, k_cache, v_cache, meta: TritonAttnMeta, scale: float):
+    def attention(self, q, k, v, k_cache, v_cache, meta: TritonAttnMeta, scale: float, window: int | None = None,
+                  softcap: float | None = None):
         """q: [T, H, D]; returns [T, H, D]. Decode rows by the split-K decode kernel, chunks by
-        the prefill kernel, both reading K/V from the pool (``write_kv`` already ran)."""
+        the prefill kernel, both reading K/V from the pool (``write_kv`` already ran). A
+        sliding-window or soft-capped layer: the torch backend's attention (the same pools)."""
         if meta.fallback is not None:
-            return super().attention(q, k, v, k_cache, v_cache, meta.fallback, scale)
+            return super().attention(q, k, v, k_cache, v_cache, meta.fallback, scale, window=window, softcap=softcap)
+        if window is not None or softcap is not None:
+            if meta.torch_meta is None:
+                meta.torch_meta = TorchBackend.prepare(self, meta.inputs)
+            return super().attention(q, k, v, k_cache, v_cache, meta.torch_meta, scale, window=window,
+                                     softcap=softcap)
         kc, ks = _pool(k_cache)
         vc, vs = _pool(v_cache)
         out = torch.empty_like(q)

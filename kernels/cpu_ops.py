@@ -11,7 +11,9 @@ keys in place, takes a softmax in float32 and sums the values, with no copy of t
 The C++ lives in ``kernels/csrc/`` (shipped as package data):
 
 - ``attention.h``: ``paged_decode_attention``, and ``decode_layer_attention`` (RoPE, the
-  KV write and that attention for one layer, from its fused qkv projection);
+  KV write and that attention for one layer, from its fused qkv projection); the first (and
+  ``slot_attention``) also take a sliding ``window`` (keys before ``context_len - window``
+  skipped) and a score ``softcap``, 0 for none;
 - ``rms_norm.h``: ``add_rms_norm``, the residual add fused with RMSNorm;
 - ``common.h``: the row-to-float32 conversion both use;
 - ``cpu_ops.cpp``: the captured decode step (``StepLinear``, ``DecodeStep``), which calls

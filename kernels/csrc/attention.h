@@ -44,6 +44,10 @@ static inline float vec_exp(float x) {
 // 128: the loops over d unroll and a head's value accumulator stays in registers for a whole
 // block; without that it went through memory for every key, a store-to-load chain that cost
 // 3x), or 0 for any other head dim (read from D).
+// `start` > 0 (a sliding window): keys before token `start` are not seen (their blocks are
+// skipped; the first block's earlier rows get probability 0); `softcap` > 0: each score (q
+// already scaled) becomes softcap * tanh(score / softcap) before the softmax (Gemma 2). With
+// start 0 and softcap 0 the arithmetic is the plain one, step for step.
 typedef float vf16 __attribute__((vector_size(64)));  // GCC/Clang vectors: AVX-512, or split for AVX2
 
 // The n keys (or values) from token t0 of KV head g as float32 rows in kf: block j of a block
@@ -64,10 +68,11 @@ static inline void load_rows(const T* base, int64_t g, int64_t NB, int64_t BS, i
 template <typename T, int DC, bool SLOTS = false>
 static void attend_impl(const float* qf, const T* kp, const T* vp, int64_t g, int64_t NB, int64_t BS, int64_t Drt,
                         const int64_t* table, int64_t L, int64_t G, std::vector<float>& scores, float* kf,
-                        float* acc) {
+                        float* acc, int64_t start, float softcap) {
   const int64_t D = DC > 0 ? DC : Drt;
+  const int64_t j0 = start / BS;  // the first block with a visible key
   scores.resize(G * L);
-  for (int64_t j = 0, t0 = 0; t0 < L; ++j, t0 += BS) {
+  for (int64_t j = j0, t0 = j0 * BS; t0 < L; ++j, t0 += BS) {
     const int64_t n = L - t0 < BS ? L - t0 : BS;
     load_rows<T, SLOTS>(kp, g, NB, BS, D, table, j, t0, n, kf);
     for (int64_t h = 0; h < G; ++h) {
@@ -123,22 +128,26 @@ static void attend_impl(const float* qf, const T* kp, const T* vp, int64_t g, in
       }
     }
   }
-  for (int64_t h = 0; h < G; ++h) {  // softmax; each loop a plain one the compiler vectorises
+  for (int64_t h = 0; h < G; ++h) {  // softmax over [start, L); each loop a plain one the compiler vectorises
     float* __restrict__ sh = scores.data() + h * L;
+    if (softcap > 0.f) {
+      for (int64_t t = start; t < L; ++t) sh[t] = softcap * std::tanh(sh[t] / softcap);
+    }
     float m = -INFINITY;
 #pragma omp simd reduction(max : m)
-    for (int64_t t = 0; t < L; ++t) m = sh[t] > m ? sh[t] : m;
+    for (int64_t t = start; t < L; ++t) m = sh[t] > m ? sh[t] : m;
 #pragma omp simd
-    for (int64_t t = 0; t < L; ++t) sh[t] = vec_exp(sh[t] - m);
+    for (int64_t t = start; t < L; ++t) sh[t] = vec_exp(sh[t] - m);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < L; ++t) sum += sh[t];
+    for (int64_t t = start; t < L; ++t) sum += sh[t];
     const float inv = 1.f / sum;
 #pragma omp simd
-    for (int64_t t = 0; t < L; ++t) sh[t] *= inv;
+    for (int64_t t = start; t < L; ++t) sh[t] *= inv;
+    for (int64_t t = j0 * BS; t < start; ++t) sh[t] = 0.f;  // the first block's rows before the window
   }
   std::fill(acc, acc + G * D, 0.f);
-  for (int64_t j = 0, t0 = 0; t0 < L; ++j, t0 += BS) {
+  for (int64_t j = j0, t0 = j0 * BS; t0 < L; ++j, t0 += BS) {
     const int64_t n = L - t0 < BS ? L - t0 : BS;
     load_rows<T, SLOTS>(vp, g, NB, BS, D, table, j, t0, n, kf);
     for (int64_t h = 0; h < G; ++h) {
@@ -175,10 +184,18 @@ static void attend_impl(const float* qf, const T* kp, const T* vp, int64_t g, in
 
 template <typename T, bool SLOTS = false>
 static void attend(const float* qf, const T* kp, const T* vp, int64_t g, int64_t NB, int64_t BS, int64_t D,
-                   const int64_t* table, int64_t L, int64_t G, std::vector<float>& scores, float* kf, float* acc) {
-  if (D == 64) return attend_impl<T, 64, SLOTS>(qf, kp, vp, g, NB, BS, D, table, L, G, scores, kf, acc);
-  if (D == 128) return attend_impl<T, 128, SLOTS>(qf, kp, vp, g, NB, BS, D, table, L, G, scores, kf, acc);
-  attend_impl<T, 0, SLOTS>(qf, kp, vp, g, NB, BS, D, table, L, G, scores, kf, acc);
+                   const int64_t* table, int64_t L, int64_t G, std::vector<float>& scores, float* kf, float* acc,
+                   int64_t start = 0, float softcap = 0.f) {
+  if (D == 64) return attend_impl<T, 64, SLOTS>(qf, kp, vp, g, NB, BS, D, table, L, G, scores, kf, acc, start, softcap);
+  if (D == 128)
+    return attend_impl<T, 128, SLOTS>(qf, kp, vp, g, NB, BS, D, table, L, G, scores, kf, acc, start, softcap);
+  attend_impl<T, 0, SLOTS>(qf, kp, vp, g, NB, BS, D, table, L, G, scores, kf, acc, start, softcap);
+}
+
+// The first key a query with `L` keys before and including it sees under a sliding window
+// of `window` tokens (0: no window): keys at positions > L - 1 - window.
+static inline int64_t window_start(int64_t L, int64_t window) {
+  return window > 0 && L > window ? L - window : 0;
 }
 
 // Small work (batch 1, a short context) runs on the calling thread: a parallel region costs more.
@@ -198,9 +215,11 @@ static void check_common(const at::Tensor& k_cache, const at::Tensor& v_cache, c
   TORCH_CHECK(block_tables.size(0) == rows && context_lens.numel() == rows, "one table and length per row");
 }
 
-// q [B, H, D]; block_tables [B, MB]; context_lens [B] -> [B, H, D] like q.
+// q [B, H, D]; block_tables [B, MB]; context_lens [B] -> [B, H, D] like q. `window` > 0: each row
+// sees its last `window` keys only; `softcap` > 0: scores soft-capped (see attend_impl).
 inline at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                                         at::Tensor block_tables, at::Tensor context_lens, double scale) {
+                                         at::Tensor block_tables, at::Tensor context_lens, double scale,
+                                         int64_t window = 0, double softcap = 0.0) {
   RECORD_FUNCTION("tokenloom::paged_decode_attention", std::vector<c10::IValue>());  // (seen by torch.profiler)
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == k_cache.scalar_type(), "q [B, H, D] in the caches' dtype");
   check_common(k_cache, v_cache, block_tables, context_lens, q.size(0));
@@ -223,7 +242,8 @@ inline at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::T
         const int64_t b = i / KVH, g = i % KVH;
         row_to_float(qp + (b * H + g * G) * D, qf.data(), G * D);
         for (auto& x : qf) x *= static_cast<float>(scale);
-        attend(qf.data(), kp, vp, g, NB, BS, D, bt + b * MB, lens[b], G, scores, kf.data(), acc.data());
+        attend(qf.data(), kp, vp, g, NB, BS, D, bt + b * MB, lens[b], G, scores, kf.data(), acc.data(),
+               window_start(lens[b], window), static_cast<float>(softcap));
         for (int64_t x = 0; x < G * D; ++x) op[(b * H + g * G) * D + x] = static_cast<scalar_t>(acc[x]);
       }
     });
@@ -303,9 +323,13 @@ inline at::Tensor decode_layer_attention(at::Tensor qkv, at::Tensor cos, at::Ten
 // depends on its q and the keys it sees, never on what else the step holds or on where a
 // prompt was split. q [T, H, D]; slot_rows [R, W] int64 flat slots (block * BS + offset);
 // q_row, q_len [T] int64: query t attends to the first q_len[t] slots of row q_row[t] (a
-// prompt's queries share one row, each with its causal length). Returns [T, H, D] like q.
+// prompt's queries share one row, each with its causal length). A row's entry i holds the
+// key at position i (a tree node's row too: the context, then its ancestors by depth), so
+// `window` > 0 keeps entries from q_len[t] - window on; `softcap` as in paged_decode_attention.
+// Returns [T, H, D] like q.
 inline at::Tensor slot_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_rows,
-                                 at::Tensor q_row, at::Tensor q_len, double scale) {
+                                 at::Tensor q_row, at::Tensor q_len, double scale, int64_t window = 0,
+                                 double softcap = 0.0) {
   RECORD_FUNCTION("tokenloom::slot_attention", std::vector<c10::IValue>());
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == k_cache.scalar_type(), "q [T, H, D] in the caches' dtype");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [KVH, NB, BS, D] alike");
@@ -341,7 +365,7 @@ inline at::Tensor slot_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_
         row_to_float(qp + (t * H + g * G) * D, qf.data(), G * D);
         for (auto& x : qf) x *= static_cast<float>(scale);
         attend<scalar_t, true>(qf.data(), kp, vp, g, NB, BS, D, sp + rows[t] * W, lens[t], G, scores, kf.data(),
-                               acc.data());
+                               acc.data(), window_start(lens[t], window), static_cast<float>(softcap));
         for (int64_t x = 0; x < G * D; ++x) op[(t * H + g * G) * D + x] = static_cast<scalar_t>(acc[x]);
       }
     });

@@ -118,10 +118,14 @@ std::string simd_path() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("simd_path", &simd_path);
-  m.def("paged_decode_attention", &paged_decode_attention);
+  m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0,
+        py::arg("softcap") = 0.0);
   m.def("decode_layer_attention", &decode_layer_attention);
   m.def("add_rms_norm", &add_rms_norm);
-  m.def("slot_attention", &slot_attention);
+  m.def("slot_attention", &slot_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("slot_rows"), py::arg("q_row"), py::arg("q_len"), py::arg("scale"), py::arg("window") = 0,
+        py::arg("softcap") = 0.0);
   m.def("silu_mul", &silu_mul);
   py::class_<StepLinear, std::shared_ptr<StepLinear>>(m, "StepLinear")
       .def(py::init<int64_t, at::Tensor, at::Tensor, int64_t, int64_t, std::shared_ptr<StepLinear>>());
