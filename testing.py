@@ -64,7 +64,7 @@ __all__ = ["KIT_BACKEND_CASES", "KIT_PROMPT", "KIT_SAMPLING", "BackendCase", "Co
 
 #: The backend kit lives in tokenloom/backends/conformance.py (its own module: one concept,
 #: and ~300 lines); ``from tokenloom.testing import check_backend`` loads it on first use.
-_BACKEND_KIT = ("BackendCase", "KIT_BACKEND_CASES", "TOLERANCES", "check_backend")
+_BACKEND_KIT = ("BackendCase", "KIT_BACKEND_CASES", "KIT_WINDOW_CASES", "TOLERANCES", "WindowCase", "check_backend")
 
 
 def __getattr__(name: str):

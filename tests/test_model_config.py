@@ -62,6 +62,6 @@ def test_an_unknown_architecture_names_the_supported_ones():
 
 def test_every_family_is_registered_once_per_checkpoint_name():
     registry = default_registry()
-    for name in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"):
+    for name in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe"):
         arch = registry.get(name)
         assert all(registry.for_hf({"architectures": [a]}) is arch for a in arch.hf_architectures)
