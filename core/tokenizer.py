@@ -197,6 +197,8 @@ class Tokenizer:
         template = tcfg.get("chat_template")
         if template is None and (path / "chat_template.jinja").exists():
             template = (path / "chat_template.jinja").read_text()
+        if template is None:  # processors' spelling: {"chat_template": "..."}
+            template = _read_json(path / "chat_template.json").get("chat_template")
 
         def token_id(value) -> int | None:
             if isinstance(value, dict):

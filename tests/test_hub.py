@@ -249,3 +249,17 @@ def test_revision_flag_and_config_key():
     assert 'revision = "v1"' in config.to_toml()
     assert build_config(pm, {}).engine.revision is None
     assert "revision" not in build_config(pm, {}).to_toml()  # TOML has no null: left out
+
+
+def test_a_chat_template_json_is_read(tmp_path):
+    """A checkpoint whose template sits in chat_template.json (processors' spelling), not in
+    tokenizer_config.json, still chats with it."""
+    from conftest import _byte_tokenizer
+
+    from tokenloom.core.tokenizer import Tokenizer
+
+    _byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}!"}))
+    tok = Tokenizer.from_hf_dir(tmp_path, {})
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi!"

@@ -124,7 +124,7 @@ class DecoderLayer(nn.Module):
             o = backend.rms_norm(o, self.attn_out_norm, cfg.rms_norm_eps)
         # float32 h + a bf16 matmul output adds in float32 (type promotion): no copy op
         x, h = backend.add_rms_norm(h, o, self.post_norm, cfg.rms_norm_eps, dtype)
-        out = self.tp.all_reduce(self.mlp(x, backend))
+        out = self.tp.all_reduce(self.mlp.forward(x, backend))  # (forward: no module-call hooks per layer)
         if cfg.sandwich_norms:
             out = backend.rms_norm(out, self.mlp_out_norm, cfg.rms_norm_eps)
         return h, out
@@ -224,6 +224,14 @@ class DecoderModel(nn.Module):
             self.register_buffer("local_cos", cos, persistent=False)
             self.register_buffer("local_sin", sin, persistent=False)
         self.captured: CapturedStep | None = None  # the backend's whole decode step (capture())
+        fused = sum(layer.fused_attention for layer in self.decoder_layers)
+        if fused < cfg.num_layers:
+            log.info("fused_decode_attention_stepped_aside", model=cfg.checkpoint_architecture or cfg.architecture,
+                     layers=cfg.num_layers - fused, of=cfg.num_layers,
+                     because=[name for name, on in (("sliding_window", any(cfg.window(i) for i in range(cfg.num_layers))),
+                                                    ("attn_logit_softcap", cfg.attn_logit_softcap is not None),
+                                                    ("partial_rotary_factor", cfg.partial_rotary_factor != 1.0))
+                              if on])
 
     @property
     def decoder_layers(self) -> Sequence[DecoderLayer]:
