@@ -8,26 +8,28 @@ import asyncio
 import heapq
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import msgspec
 import structlog
 
 from tokenloom.core.build import EngineParts, build_engine_parts
 from tokenloom.core.config import EngineConfig
 from tokenloom.core.detokenizer import IncrementalDetokenizer
-from tokenloom.core.errors import ClientError
+from tokenloom.core.errors import ClientError, RequestTooLong
 from tokenloom.core.executor import ExecutorFailed
 from tokenloom.core.health import EngineHealth, HealthReport
 from tokenloom.core.inputs import check_length, encode_prompt, refuse_by_size
 from tokenloom.core.interfaces import DecoderOutput
 from tokenloom.core.metrics import EngineCounters, StepStats, engine_stats
-from tokenloom.core.outputs import Finished, TokenDelta, stream_request
+from tokenloom.core.outputs import Finished, Logprob, TokenDelta, TokenLogprobs, stream_request
 from tokenloom.core.plugins import PluginManager
-from tokenloom.core.requests import RequestState, Sink
+from tokenloom.core.requests import RequestState, Sink, sample_request_ids
 from tokenloom.core.sampler import TokenLogprob
-from tokenloom.core.sampling_params import SamplingParams
+from tokenloom.core.sampling_params import MAX_SEED, SamplingParams
 from tokenloom.core.sequence import Batch, Sequence, SequenceStatus
 
 log = structlog.get_logger("tokenloom.engine")
@@ -55,6 +57,8 @@ class AsyncEngine:
         self._requests: dict[str, RequestState] = {}
         self._pending_aborts: list[str] = []
         self._pending: dict[str, _Pending] = {}  # committed outputs not yet published, by request id
+        self._scoring: deque[RequestState] = deque()  # prompt_logprobs requests whose prompt is not yet scored
+        self._owed_copies: list[tuple[int, int, int]] = []  # KV copies taken from the cache, not yet run
         self.overlap = config.engine.overlap
         # Long prompts are tokenised here, off the event loop and beside the step thread.
         self._tokenize_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenloom-tokenize")
@@ -113,7 +117,16 @@ class AsyncEngine:
         EngineUnavailable while the engine cannot serve. Requests with different
         ``cache_salt`` never share prefix-cache blocks (tenants). A server tokenises first
         with :meth:`prompt_ids_async` and submits the ids. The request's outputs go to a new
-        queue that :meth:`stream` reads, or to ``sink``."""
+        queue that :meth:`stream` reads, or to ``sink``.
+
+        With ``params.n > 1`` the request is ``n`` samples, each a request of its own (ids
+        from :func:`~tokenloom.core.requests.sample_request_ids`: ``request_id``, then
+        ``request_id#1`` ...; with a seed, sample i's is ``seed + i``) with its own stream
+        (each its own queue; with ``sink``, all into it) and its own ``Finished``
+        (``index``). The prompt is prefilled once, by sample 0: in the step that samples
+        its first token every other sample draws its own first token from the same logits,
+        then forks sample 0's KV blocks (:meth:`_fork_samples`). Returns sample 0's state;
+        ``req.samples`` holds all n."""
         params = params or SamplingParams()
         params.validate(self.model_config.vocab_size)
         if params.decoder is not None and params.decoder not in self._decoder_names:
@@ -124,22 +137,43 @@ class AsyncEngine:
                               param="decoder", value=params.decoder)
         self._ensure_loop()
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._requests:
-            raise ClientError(f"request id {request_id!r} is already in use", param="request_id", value=request_id)
+        rids = sample_request_ids(request_id, params.n)
+        for rid in rids:
+            if rid in self._requests:
+                raise ClientError(f"request id {rid!r} is already in use", param="request_id", value=request_id)
         ids = self.prompt_ids(prompt, messages, parse_special_tokens)
         check_length(len(ids), params.max_tokens, self.max_model_len)
         if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > 256):
             raise ClientError.bad_value("cache_salt", cache_salt, "a string of at most 256 characters")
-        seq = Sequence(request_id, ids, params, eos_token_ids=self.tokenizer.eos_token_ids, cache_salt=cache_salt)
-        self.scheduler.add(seq)  # may raise RequestTooLong (can never fit the cache)
-        req = RequestState(seq, IncrementalDetokenizer(self.tokenizer, ids, params.stop),
-                           asyncio.Queue() if sink is None else sink)
-        self._requests[request_id] = req
-        if params.timeout_s is not None:
-            heapq.heappush(self._deadlines, (seq.arrival_time + params.timeout_s, seq.seq_id, request_id))
-        self.counters.prompt_tokens += len(ids)
+        seqs = []
+        for i, rid in enumerate(rids):
+            sp = params
+            if params.n > 1:
+                seed = None if params.seed is None else (params.seed + i) % (MAX_SEED + 1)
+                sp = msgspec.structs.replace(params, n=1, seed=seed)
+            seqs.append(Sequence(rid, list(ids), sp, eos_token_ids=self.tokenizer.eos_token_ids,
+                                 cache_salt=cache_salt))
+        first = seqs[0]
+        first.forks = seqs[1:]
+        if params.prompt_logprobs is not None:  # scored first (_score_prompts); queued after that
+            if not self.cache.can_ever_fit(first):
+                raise RequestTooLong(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs more KV "
+                                     f"blocks than the cache has", param="max_tokens", value=params.max_tokens)
+        else:
+            self.scheduler.add(first)  # may raise RequestTooLong (can never fit the cache)
+        reqs = [RequestState(seq, IncrementalDetokenizer(self.tokenizer, ids, params.stop),
+                             asyncio.Queue() if sink is None else sink, index=i) for i, seq in enumerate(seqs)]
+        for req in reqs:
+            req.samples = reqs
+            self._requests[req.request_id] = req
+            if params.timeout_s is not None:
+                heapq.heappush(self._deadlines, (req.seq.arrival_time + params.timeout_s, req.seq.seq_id,
+                                                 req.request_id))
+        if params.prompt_logprobs is not None:
+            self._scoring.append(reqs[0])
+        self.counters.prompt_tokens += len(ids)  # once: the samples share the prompt
         self._wakeup.set()
-        return req
+        return reqs[0]
 
     async def submit_async(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str,
                            cache_salt: str | None = None) -> RequestState:
@@ -163,9 +197,27 @@ class AsyncEngine:
     async def generate(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
                        messages: list[dict] | None = None, request_id: str | None = None,
                        cache_salt: str | None = None) -> AsyncIterator[TokenDelta | Finished]:
-        req = self.submit(prompt, params, messages=messages, request_id=request_id, cache_salt=cache_salt)
-        async for item in self.stream(req):
-            yield item
+        """Submit and stream. With ``params.n > 1`` the samples' items come interleaved as
+        they are produced (each names its sample's request id; a ``Finished`` its
+        ``index``), until all n have finished."""
+        if params is None or params.n == 1:
+            req = self.submit(prompt, params, messages=messages, request_id=request_id, cache_salt=cache_salt)
+            async for item in self.stream(req):
+                yield item
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        req = self.submit(prompt, params, messages=messages, request_id=request_id, cache_salt=cache_salt,
+                          sink=queue)
+        left = len(req.samples)
+        try:
+            while left:
+                item = await queue.get()
+                left -= isinstance(item, Finished)
+                yield item
+        finally:
+            for sample in req.samples:
+                if not sample.done:
+                    self.abort(sample.request_id)
 
     def stream(self, req: RequestState, *, batched: bool = False) -> AsyncIterator:
         """Iterate a submitted request's deltas and its final result; deltas that piled up
@@ -194,16 +246,26 @@ class AsyncEngine:
             while True:
                 self._apply_aborts()
                 self._expire_deadlines(time.monotonic())
+                if self._scoring:
+                    self._publish()
+                    await self._score_prompts(loop)
                 if not self.scheduler.has_unfinished():
                     self._publish()
+                    if self._scoring:  # waiting for KV blocks, or for owed copies to run
+                        await asyncio.sleep(0.001)
+                        continue
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
                 batch = self.scheduler.schedule()
                 if batch.is_empty:
+                    self._owed_copies.extend(batch.copies)  # run with the next batch that runs
                     self._publish()
                     await asyncio.sleep(0.001)
                     continue
+                if self._owed_copies:
+                    batch.copies = self._owed_copies + batch.copies
+                    self._owed_copies = []
                 t0 = time.perf_counter()
                 step = loop.run_in_executor(self._step_thread, self.decoder.step, batch)
                 self._publish()  # the previous step's outputs, while this one runs
@@ -259,15 +321,40 @@ class AsyncEngine:
 
     def _end_early(self, req: RequestState, status: SequenceStatus, error: str | None = None) -> None:
         """Abort, timeout or failure: the scheduler drops the sequence and frees its blocks
-        now; tokens it already committed are published first."""
+        now; tokens it already committed are published first. A sample still waiting to
+        fork leaves its first sample's list; a first sample that ends before its forks
+        were made hands them on (:meth:`_promote_forks`)."""
         pending = self._pending.pop(req.seq.request_id, None)
         if pending is not None:
             self._publish_one(pending)
             if req.done:
                 return
-        self.scheduler.abort(req.seq.request_id)
-        self.decoder.release(req.seq)
+        seq = req.seq
+        for sample in req.samples:
+            if seq in sample.seq.forks:
+                sample.seq.forks.remove(seq)
+        self.scheduler.abort(seq.request_id)
+        self.decoder.release(seq)
         self._finish(req, status, error)
+        if seq.forks:
+            self._promote_forks(seq)
+
+    def _promote_forks(self, seq: Sequence) -> None:
+        """``seq`` ended before its prefill gave its forks their first tokens: the first
+        fork still running prefills for itself and carries the rest."""
+        forks, seq.forks = [f for f in seq.forks if self._live(f)], []
+        if not forks:
+            return
+        head = forks[0]
+        head.forks = forks[1:]
+        try:
+            self.scheduler.add(head)
+        except ClientError as exc:  # the same prompt fitted before; kept for a scheduler that says otherwise
+            self._end_early(self._requests[head.request_id], SequenceStatus.FINISHED_ERROR, error=str(exc))
+
+    def _live(self, seq: Sequence) -> bool:
+        req = self._requests.get(seq.request_id)
+        return req is not None and req.seq is seq and not req.done and req.ending is None
 
     def _commit(self, batch: Batch, out: DecoderOutput, step_time: float) -> None:
         """What the next schedule depends on: each sequence's computed tokens, its new tokens,
@@ -289,26 +376,11 @@ class AsyncEngine:
                 decode_seqs += 1
             if res is None or not res.token_ids:
                 continue
-            status, accepted = None, []
-            for tok in res.token_ids:
-                seq.append_token(tok)
-                accepted.append(tok)
-                status = req.check_stop(tok, self.max_model_len, detokenize=req.detok.needs_text)
-                if status is not None:
-                    break
-            # A stop inside the accepted drafts appends fewer tokens than were computed: KV
-            # exists only for tokens the sequence has (a prefix cache registers up to here).
-            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
-            req.num_drafted += res.num_drafted
-            req.num_accepted += res.num_accepted
-            generated += len(accepted)
-            earlier = self._pending.pop(seq.request_id, None)
-            if earlier is not None:  # (the loop publishes before every commit: kept in order regardless)
-                self._publish_one(earlier)
-            self._pending[seq.request_id] = _Pending(req, accepted, res.logprobs[:len(accepted)] if res.logprobs
-                                                     else None, status)
+            if seq.forks:  # its prefill is done: the request's other samples fork from it now
+                generated += self._fork_samples(seq, out, now)
+            status, taken = self._take_tokens(req, res)
+            generated += taken
             if status is not None:
-                req.ending = status
                 if status in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH):
                     self.scheduler.finish(seq)
                 self.decoder.release(seq)
@@ -328,6 +400,110 @@ class AsyncEngine:
                 num_preempted=len(batch.preempted), total_preemptions=c.preemptions, kv_usage=cache_stats.usage,
                 num_free_blocks=cache_stats.num_free_blocks, num_blocks=cache_stats.num_blocks,
                 prefix_hit_rate=cache_stats.hit_rate))
+
+    def _take_tokens(self, req: RequestState, res) -> tuple[SequenceStatus | None, int]:
+        """Append a step's tokens to ``req``'s sequence up to a stop; queue them for
+        :meth:`_publish`. Returns (the stop, if it stops: ``req.ending`` is set), tokens taken)."""
+        seq = req.seq
+        status, accepted = None, []
+        for tok in res.token_ids:
+            seq.append_token(tok)
+            accepted.append(tok)
+            status = req.check_stop(tok, self.max_model_len, detokenize=req.detok.needs_text)
+            if status is not None:
+                break
+        # A stop inside the accepted drafts appends fewer tokens than were computed: KV
+        # exists only for tokens the sequence has (a prefix cache registers up to here).
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+        req.num_drafted += res.num_drafted
+        req.num_accepted += res.num_accepted
+        earlier = self._pending.pop(seq.request_id, None)
+        if earlier is not None:  # (the loop publishes before every commit: kept in order regardless)
+            self._publish_one(earlier)
+        self._pending[seq.request_id] = _Pending(req, accepted, res.logprobs[:len(accepted)] if res.logprobs
+                                                 else None, status)
+        if status is not None:
+            req.ending = status
+        return status, len(accepted)
+
+    def _fork_samples(self, parent: Sequence, out: DecoderOutput, now: float) -> int:
+        """``parent`` (sample 0 of an ``n > 1`` request, or the first still running) sampled
+        its first token this step, and the decoder drew each fork's first token from the same
+        row (``out[fork]``). Each fork takes that token, then ``CacheManager.fork`` gives it
+        the prompt's KV (full blocks shared, the last partial block copied before the next
+        step) and it joins the scheduler to decode on its own. A fork with no token from the
+        decoder gets the prompt's KV less its last token, which it then computes itself; a
+        fork that stops on its first token never holds a block. Returns the tokens taken."""
+        forks, parent.forks = parent.forks, []
+        taken = 0
+        for child in forks:
+            if not self._live(child):
+                continue
+            req = self._requests[child.request_id]
+            req.timer.on_scheduled(now)
+            res = out.get(child)
+            if res is not None and res.token_ids:
+                status, n = self._take_tokens(req, res)
+                taken += n
+                if status is not None:
+                    self.decoder.release(child)
+                    continue
+            child.num_computed_tokens = self.cache.fork(parent, child)
+            try:
+                self.scheduler.add(child)
+            except ClientError as exc:  # the same prompt fitted: kept for a scheduler that says otherwise
+                self.cache.free(child)
+                self._end_early(req, SequenceStatus.FINISHED_ERROR, error=str(exc))
+        return taken
+
+    # ---- prompt logprobs (SamplingParams.prompt_logprobs) ------------------------------------
+    async def _score_prompts(self, loop) -> None:
+        """Score the prompts of requests that asked for ``prompt_logprobs`` (one prefill
+        each on scratch blocks, as ``tokenloom eval perplexity`` scores text: core/evaluation.py),
+        then queue them (or, with ``max_tokens=0``, finish them). A request waits while
+        the pool lacks the blocks, and while KV copies a fork owes have not run yet (the
+        scratch prefill must not write a block before it is copied)."""
+        self._owed_copies.extend(self.cache.take_copies())
+        while self._scoring and not self._owed_copies:
+            req = self._scoring[0]
+            if req.done or req.ending is not None:
+                self._scoring.popleft()
+                continue
+            seq = req.seq
+            ids = seq.token_ids[:seq.num_prompt_tokens]
+            scratch = Sequence("prompt-logprobs", list(ids), SamplingParams(max_tokens=1))
+            if not self.cache.allocate(scratch, len(ids)):
+                self.cache.free(scratch)
+                return
+            table = list(self.cache.block_table(scratch))
+            k = seq.params.prompt_logprobs or 0
+            try:
+                scored = await loop.run_in_executor(self._step_thread, self._score, ids, table, k)
+            finally:
+                self.cache.free(scratch)
+            self._scoring.popleft()
+            if req.done or req.ending is not None:  # ended while it was scored
+                continue
+            req.emit_prompt_logprobs([None] + [TokenLogprobs(token_id=t, logprob=lp, top=[Logprob(a, b) for a, b in top])
+                                               for t, (lp, top) in zip(ids[1:], scored, strict=True)])
+            if seq.params.max_tokens == 0:  # scoring alone: nothing to generate
+                for sample in req.samples:
+                    if not sample.done:
+                        self.decoder.release(sample.seq)
+                        self._finish(sample, SequenceStatus.FINISHED_LENGTH)
+                continue
+            try:
+                self.scheduler.add(seq)
+            except ClientError as exc:
+                self._end_early(req, SequenceStatus.FINISHED_ERROR, error=str(exc))
+
+    def _score(self, ids: list[int], table: list[int], top: int) -> list:
+        """On the step thread: one prompt's logprobs (core/evaluation.py's scoring)."""
+        from tokenloom.core.evaluation import prompt_logprobs
+
+        logits = self.executor.prefill_logits(ids, table)
+        assert logits is not None  # rank 0's (the executor returns rank 0's)
+        return prompt_logprobs(logits, ids, top)
 
     def _publish(self) -> None:
         """Everything committed and not yet published reaches its stream: text, ids,

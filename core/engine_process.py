@@ -51,6 +51,7 @@ from tokenloom.core.outputs import (
     stream_request,
 )
 from tokenloom.core.plugins import PluginManager
+from tokenloom.core.requests import sample_request_ids
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.core.tokenizer import Tokenizer
 
@@ -293,6 +294,9 @@ class RemoteRequest:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     done: bool = False
     accepted: asyncio.Future | None = None
+    index: int = 0  # which sample of its request (SamplingParams.n)
+    samples: list[RemoteRequest] = field(default_factory=list)  # all of them, this one included
+    prompt_token_ids: list[int] = field(default_factory=list)
 
 
 class CoreDied(Exception):
@@ -361,19 +365,29 @@ class EngineClient:
         self.health.check(time.monotonic())
         if self._channel is None:
             raise EngineUnavailable("the engine core is starting", retry_after_ms=1000)
-        if request_id in self._requests:
-            raise ClientError(f"request id {request_id!r} is already in use", param="request_id", value=request_id)
+        params.validate(self.model_config.vocab_size)  # n among them, before it makes n requests here
+        rids = sample_request_ids(request_id, params.n)
+        for rid in rids:
+            if rid in self._requests:
+                raise ClientError(f"request id {rid!r} is already in use", param="request_id", value=request_id)
         check_length(len(prompt_ids), params.max_tokens, self.max_model_len)  # before a huge int meets msgpack
-        req = RemoteRequest(request_id, accepted=asyncio.get_running_loop().create_future())
-        self._requests[request_id] = req
+        # every sample's stream exists before the core can answer for it (the core submits
+        # all n at once: core/engine.py)
+        reqs = [RemoteRequest(rid, index=i, prompt_token_ids=list(prompt_ids)) for i, rid in enumerate(rids)]
+        req = reqs[0]
+        req.accepted = asyncio.get_running_loop().create_future()
+        for r in reqs:
+            r.samples = reqs
+            self._requests[r.request_id] = r
         self._channel.send(Submit(request_id, list(prompt_ids), params, cache_salt))
         try:
-            await req.accepted  # type: ignore[misc]
+            await req.accepted
         except BaseException:
-            if self._requests.get(request_id) is req and not req.done:
-                del self._requests[request_id]
-                if self._channel is not None:  # cancelled while waiting: the core may have taken it
-                    self._channel.send(Abort([request_id]))
+            for r in reqs:
+                if self._requests.get(r.request_id) is r and not r.done:
+                    del self._requests[r.request_id]
+            if self._channel is not None:  # cancelled while waiting: the core may have taken it
+                self._channel.send(Abort(rids))
             raise
         return req
 
@@ -488,6 +502,9 @@ class EngineClient:
                 req.accepted.set_result(None)
         for refusal in msg.refused:
             req = reqs.pop(refusal.request_id, None)
+            if req is not None:
+                for sample in req.samples[1:]:  # its other samples were never taken either
+                    reqs.pop(sample.request_id, None)
             if req is not None and req.accepted is not None and not req.accepted.done():
                 req.accepted.set_exception(pickle.loads(refusal.error))
         for delta in msg.deltas:
@@ -525,7 +542,7 @@ class EngineClient:
                 req.accepted.set_exception(EngineUnavailable(reason, retry_after_ms=1000))
             else:
                 req.done = True
-                req.queue.put_nowait(_error_final(rid, reason))
+                req.queue.put_nowait(_error_final(rid, reason, req.index))
         self._requests.clear()
         self._deaths += 1
         self._deaths_in_a_row += 1
@@ -565,10 +582,11 @@ def _exit_code(process) -> str:
     return f"exit status {code}"
 
 
-def _error_final(request_id: str, reason: str) -> Finished:
+def _error_final(request_id: str, reason: str, index: int = 0) -> Finished:
     return Finished(request_id=request_id, finish_reason="error", text="", token_ids=[],
                     usage=Usage(prompt_tokens=0, cached_tokens=0, completion_tokens=0),
-                    metrics=RequestMetrics(ttft_ms=None, tpot_ms=None, e2e_ms=0.0, queue_ms=None), error=reason)
+                    metrics=RequestMetrics(ttft_ms=None, tpot_ms=None, e2e_ms=0.0, queue_ms=None), error=reason,
+                    index=index)
 
 
 async def _spawn(config: EngineConfig, log_level: str, show_progress: bool):

@@ -121,6 +121,27 @@ def _token_nll(logits: torch.Tensor, targets: list[int], rows: int = 256) -> flo
     return total
 
 
+def prompt_logprobs(logits: torch.Tensor, ids: Seq[int], top: int = 0, rows: int = 256
+                    ) -> list[tuple[float, list[tuple[int, float]]]]:
+    """For each prompt token after the first: its log-probability given the tokens before
+    it and the ``top`` most likely tokens there (id, logprob), best first. ``logits`` are a
+    prefill's, one row per position (row ``i`` predicts ``ids[i + 1]``), as
+    :func:`perplexity` scores them: float64 log-softmax, a slice of rows at a time (the
+    engine's ``SamplingParams.prompt_logprobs`` and the OpenAI frontend's ``echo``)."""
+    out: list[tuple[float, list[tuple[int, float]]]] = []
+    tgt = torch.tensor(list(ids[1:]), dtype=torch.long, device=logits.device)
+    for s in range(0, len(ids) - 1, rows):
+        lp = torch.log_softmax(logits[s:min(s + rows, len(ids) - 1)].double(), dim=-1)
+        chosen = lp.gather(1, tgt[s:s + rows, None])[:, 0].tolist()
+        if top:
+            vals, idx = lp.topk(top, dim=-1)
+            tops = [list(zip(i, v, strict=True)) for i, v in zip(idx.tolist(), vals.tolist(), strict=True)]
+        else:
+            tops = [[] for _ in chosen]
+        out.extend(zip(chosen, tops, strict=True))
+    return out
+
+
 def perplexity(engine_or_llm, text_or_ids: str | Seq[int], *, window: int = 512, stride: int | None = None,
                max_tokens: int | None = None) -> dict[str, Any]:
     """Sliding-window perplexity of a text (encoded with the engine's tokenizer, its

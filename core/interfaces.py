@@ -129,7 +129,11 @@ class CacheManager(Protocol):
         into its block table; returns its length in tokens (< the sequence's length)."""
 
     def fork(self, parent: Sequence, child: Sequence) -> int:
-        """Share ``parent``'s computed prefix with ``child``; returns the tokens shared."""
+        """Give a new ``child`` (nothing allocated yet) the KV of ``parent``'s computed prefix,
+        as far as their tokens agree and at most ``child.num_tokens - 1`` tokens; returns
+        the tokens it now has KV for (0: it computes them itself). Blocks are shared by
+        reference; a partial block may be copied (owed through :meth:`take_copies`). The
+        engine forks the samples of an ``n > 1`` request from the first one's prefill."""
 
     def block_table(self, seq: Sequence) -> list[int]: ...
 
@@ -160,7 +164,11 @@ class Scheduler(Protocol):
     nothing to learn, count or report inherits the no-ops of ``QueueScheduler``
     (plugins/schedulers/base.py)."""
 
-    def add(self, seq: Sequence) -> None: ...
+    def add(self, seq: Sequence) -> None:
+        """Queue ``seq``. Usually nothing of it is computed yet; a fork of an ``n > 1``
+        request (core/engine.py) arrives holding KV already: ``num_computed_tokens > 0``
+        and a block table from ``CacheManager.fork``. Schedule its remaining tokens as for
+        any sequence (``claim_prefix`` is a no-op on it); freeing it is always allowed."""
 
     def schedule(self) -> Batch: ...
 
@@ -374,16 +382,24 @@ class SequenceOutput:
     ``num_accepted``: how many of the step's draft tokens were accepted; their KV, written
     this step, becomes computed (``num_computed_tokens`` advances by the scheduled tokens
     plus these). ``num_drafted``: draft tokens verified this step. ``logprobs``: one
-    ``TokenLogprob`` per new token when the request asked for them, else ``None``."""
+    ``TokenLogprob`` per new token when the request asked for them, else ``None``.
+    ``forks``: for a sequence with ``Sequence.forks`` (the other samples of an ``n > 1``
+    request), each one's first token, sampled from this sequence's row (verify's plain path).
+    The built-in step also enters them in the :data:`DecoderOutput` under the fork's own
+    sequence, which is where the engine reads them."""
 
     token_ids: list[int]
     num_accepted: int = 0
     num_drafted: int = 0
     logprobs: list | None = None
     accepted_nodes: list[int] | None = None  # a tree's accepted branch, as draft indices
+    forks: list[SequenceOutput] | None = None
 
 
-#: a step's result: an entry for each sequence that sampled (partial prefill chunks have none)
+#: a step's result: an entry for each sequence that sampled (partial prefill chunks have none),
+#: and one for each fork that took its first token from a sequence's row (``SequenceOutput.forks``).
+#: A decoder that gives forks none is still exact: the engine then has each fork compute its
+#: last prompt token itself.
 DecoderOutput = dict[Sequence, SequenceOutput]
 
 
@@ -497,7 +513,13 @@ class Backend(Protocol):
 @dataclass(frozen=True, slots=True)
 class DecodeLayer:
     """One LLaMA layer's weights as the backend packed them (``LinearWeight``s) and its two
-    float32 RMSNorm weights."""
+    float32 RMSNorm weights; optionally what Qwen2 and Qwen3 add to its attention, in
+    ``DecoderLayer.attend``'s order (plugins/models/decoder.py): ``qkv_bias`` (model dtype,
+    ``[q + 2 kv]``) added to the qkv matmul's output, then ``q_norm`` / ``k_norm`` (float32
+    ``[head_dim]``, both or neither): each head of q and of k RMS-normed in float32 (eps the
+    model's ``rms_norm_eps``), concatenated with v and cast back to the model dtype, before
+    RoPE. A backend whose captured step does not implement a field that is set returns None
+    from ``capture_decode`` (the conformance kit's captured-step check has a model of each)."""
 
     input_norm: torch.Tensor
     qkv: LinearWeight
@@ -505,6 +527,9 @@ class DecodeLayer:
     post_norm: torch.Tensor
     gate_up: LinearWeight
     down: LinearWeight
+    qkv_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)

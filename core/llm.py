@@ -33,7 +33,9 @@ class LLM:
     def generate(self, prompts: str | list[int] | Seq[str | list[int]] | None = None,
                  params: SamplingParams | Seq[SamplingParams] | None = None, *,
                  messages: Seq[list[dict]] | None = None, cache_salt: str | None = None) -> list[Finished]:
-        """Run all prompts together (continuous batching does the rest); results in order."""
+        """Run all prompts together (continuous batching does the rest); results in order.
+        A prompt whose params ask for ``n > 1`` samples gives n results in a row (its
+        ``Finished.index`` 0 .. n-1), its prompt prefilled once."""
         inputs: list[dict[str, Any]]
         if messages is not None:
             inputs = [{"messages": m} for m in messages]
@@ -51,7 +53,7 @@ class LLM:
         streams = []
         try:
             for inp, sp in zip(inputs, params, strict=True):
-                streams.append(self.engine.submit(params=sp, **inp))
+                streams.extend(self.engine.submit(params=sp, **inp).samples)
         except Exception:  # one bad request: the ones already accepted must not run on
             for req in streams:
                 self.engine.abort(req.seq.request_id)

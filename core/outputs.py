@@ -40,6 +40,8 @@ class TokenDelta(msgspec.Struct, frozen=True, kw_only=True):
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None
+    # SamplingParams.prompt_logprobs: once, before any token (None for the first prompt token)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class Finished(msgspec.Struct, frozen=True, kw_only=True):
@@ -50,6 +52,8 @@ class Finished(msgspec.Struct, frozen=True, kw_only=True):
     usage: Usage
     metrics: RequestMetrics
     error: str | None = None
+    index: int = 0  # which of the request's samples (SamplingParams.n) this is
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # sample 0's, when asked for
 
 
 def merge_deltas(a: TokenDelta, b: TokenDelta) -> TokenDelta:
@@ -57,7 +61,7 @@ def merge_deltas(a: TokenDelta, b: TokenDelta) -> TokenDelta:
     is ready in one frame): text, ids and logprobs concatenated."""
     logprobs = None if a.logprobs is None and b.logprobs is None else [*(a.logprobs or ()), *(b.logprobs or ())]
     return TokenDelta(request_id=a.request_id, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
-                      logprobs=logprobs)
+                      logprobs=logprobs, prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs)
 
 
 async def read_stream(queue) -> AsyncIterator[TokenDelta | Finished]:

@@ -13,6 +13,11 @@ from tokenloom.core.sampler import TokenLogprob
 from tokenloom.core.sequence import FINISH_REASONS, Sequence, SequenceStatus
 
 
+def sample_request_ids(request_id: str, n: int) -> list[str]:
+    """The request ids of a request's ``n`` samples: its own for sample 0, ``id#i`` after."""
+    return [request_id] + [f"{request_id}#{i}" for i in range(1, n)]
+
+
 class Sink(Protocol):
     """Where a request's TokenDeltas and its Finished go: an ``asyncio.Queue`` its reader
     awaits, or (the engine core in its own process) the outbox of the next message."""
@@ -30,10 +35,18 @@ class RequestState:
     num_drafted: int = 0  # draft tokens verified for this request (speculative decoders)
     num_accepted: int = 0  # of which accepted
     ending: SequenceStatus | None = None  # its end is committed; the Finished is on its way
+    index: int = 0  # which sample of its request (SamplingParams.n) this is
+    # every sample of the request, in index order (this one included): all n share the prompt
+    samples: list[RequestState] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # SamplingParams.prompt_logprobs (sample 0)
 
     @property
     def request_id(self) -> str:
         return self.seq.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seq.token_ids[:self.seq.num_prompt_tokens]
 
     def check_stop(self, tok: int, max_model_len: int, detokenize: bool = True) -> SequenceStatus | None:
         """After appending ``tok``: does the sequence end here, and why? ``detokenize=False``
@@ -60,6 +73,12 @@ class RequestState:
             self.queue.put_nowait(TokenDelta(request_id=self.seq.request_id, text=text,
                                              token_ids=token_ids, logprobs=logprobs))
 
+    def emit_prompt_logprobs(self, entries: list[TokenLogprobs | None]) -> None:
+        """The prompt's logprobs, once, before any token."""
+        self.prompt_logprobs = entries
+        self.queue.put_nowait(TokenDelta(request_id=self.seq.request_id, text="", token_ids=[],
+                                         prompt_logprobs=entries))
+
     def finish(self, status: SequenceStatus, error: str | None = None) -> Finished:
         """Queue any held-back text, then the one Finished; returns it."""
         seq = self.seq
@@ -73,6 +92,7 @@ class RequestState:
             token_ids=seq.output_token_ids,
             usage=Usage(prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
                         completion_tokens=seq.num_output_tokens),
-            metrics=self.timer.finish(seq.num_preemptions, self.num_drafted, self.num_accepted), error=error)
+            metrics=self.timer.finish(seq.num_preemptions, self.num_drafted, self.num_accepted), error=error,
+            index=self.index, prompt_logprobs=self.prompt_logprobs)
         self.queue.put_nowait(final)
         return final

@@ -1,4 +1,5 @@
-"""Turn logits into tokens: penalties, temperature, top-k, top-p, min-p, seeds, logprobs.
+"""Turn logits into tokens: logit bias, penalties, temperature, top-k, top-p, min-p, seeds,
+logprobs.
 
 All rows are processed together; a seeded request draws its noise from its own
 ``torch.Generator``, so its output does not depend on what else is in the batch.
@@ -88,14 +89,21 @@ class Sampler:
         return token_list, logprobs
 
     def apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Repetition, presence and frequency penalties, each row over its own history; the
-        same tensor back when no row has one."""
+        """What comes before temperature and the filters, in this order: ``logit_bias`` (added
+        first, as OpenAI and vLLM do; -100 bans a token: -inf), then repetition, presence and
+        frequency penalties, each row over its own history. The same tensor back when no
+        row has any of them. Every row the sampler sees goes through here (verification
+        rows too, :func:`~tokenloom.plugins.decoders.verify.target_probs`)."""
+        biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
         penalised = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0
                      or r.params.presence_penalty or r.params.frequency_penalty]
-        if not penalised:
+        if not penalised and not biased:
             return logits
         logits = logits.clone()
         V = logits.shape[-1]
+        for i in biased:
+            ids, bias = _bias_tensors(rows[i].params.logit_bias or {}, V, logits.device, logits.dtype)
+            logits[i, ids] += bias
         for i in penalised:
             p = rows[i].params
             if p.repetition_penalty != 1.0:
@@ -159,6 +167,14 @@ class Sampler:
             gen = torch.Generator(device=self.device).manual_seed(row.params.seed)
             self._seq_generators[row.seq_id] = gen
         return gen
+
+
+def _bias_tensors(bias: dict[int, float], V: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, values to add) of a logit_bias: ids past ``V`` skipped (a draft model's
+    smaller vocabulary), -100 and below as -inf (a ban, whatever the logits' scale)."""
+    items = [(t, float("-inf") if v <= -100 else float(v)) for t, v in bias.items() if t < V]
+    ids = torch.tensor([t for t, _ in items], dtype=torch.long, device=device)
+    return ids, torch.tensor([v for _, v in items], dtype=dtype, device=device)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

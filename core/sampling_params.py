@@ -26,6 +26,9 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_SPECULATIVE_TOKENS = 16  # draft tokens verified per step (K)
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS = 1024  # biased token ids per request: each is applied to every row the request samples from
+MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range; -100 bans the token outright
+MAX_N = 128  # parallel samples of one prompt (OpenAI's bound on n)
 MAX_SLO_TARGET_MS = 3_600_000.0  # an hour: a latency target beyond it is no target
 # an SLO class name labels stats keys and metrics: letters, digits, '_', '-', '.'
 SLO_CLASS_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -46,6 +49,17 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ``None``: the engine's configured one) and ``num_speculative_tokens`` its K, the draft
     tokens verified per step (``None``: the decoder's own default). Every decoder gives the
     same output distribution; only the speed differs.
+    ``logit_bias`` maps token ids to a value in [-100, 100] added to their logits before
+    every other sampling rule (penalties, temperature, filters) on every row the request
+    samples from, speculative verification rows included; -100 bans the token (its logit
+    becomes -inf), as OpenAI describes it. ``logprobs`` stay the raw model's.
+    ``n`` asks for that many independent samples of the prompt: the prompt is prefilled
+    once and the samples fork its KV blocks (``AsyncEngine.submit`` returns sample 0's
+    request; ``req.samples`` holds all n, each with its own stream and ``Finished``); with
+    a ``seed``, sample ``i`` draws from ``seed + i``.
+    ``prompt_logprobs=k`` returns each prompt token's log-probability given the tokens
+    before it (``None`` for the first) with the top ``k`` alternatives, from one extra
+    prefill of the prompt (vLLM's name); only then may ``max_tokens`` be 0 (scoring alone).
     ``slo_class`` names the request's service class (free names of letters, digits, ``_``,
     ``-`` and ``.``, e.g. ``interactive`` or ``batch``); ``ttft_ms`` and ``tpot_ms`` are its latency targets: time to the first token
     and mean time per output token after it, in milliseconds. A target left ``None`` comes
@@ -72,6 +86,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     slo_class: str | None = None
     ttft_ms: float | None = None
     tpot_ms: float | None = None
+    logit_bias: dict[int, float] | None = None
+    n: int = 1
+    prompt_logprobs: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
@@ -113,8 +130,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             if not -2.0 <= value <= 2.0:
                 raise ClientError.bad_value(name, value, "in [-2, 2]")
         _int("max_tokens", self.max_tokens)
-        if self.max_tokens < 1:
-            raise ClientError.bad_value("max_tokens", self.max_tokens, ">= 1")
+        if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise ClientError.bad_value("max_tokens", self.max_tokens,
+                                        ">= 1 (0 only with prompt_logprobs: the prompt scored alone)")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ClientError.bad_value("stop", len(self.stop), f"at most {MAX_STOP_STRINGS} strings")
         for s in self.stop:
@@ -134,6 +152,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             _int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ClientError.bad_value("logprobs", self.logprobs, f"in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs)
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise ClientError.bad_value("prompt_logprobs", self.prompt_logprobs, f"in [0, {MAX_LOGPROBS}]")
+        _int("n", self.n)
+        if not 1 <= self.n <= MAX_N:
+            raise ClientError.bad_value("n", self.n, f"in [1, {MAX_N}]")
+        if self.logit_bias is not None:
+            _check_logit_bias(self.logit_bias, vocab_size)
         if self.timeout_s is not None:
             _finite("timeout_s", self.timeout_s)
             if not 0.0 < self.timeout_s <= MAX_TIMEOUT_S:
@@ -155,6 +182,24 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 _finite(name, value)
                 if not 0.0 < value <= MAX_SLO_TARGET_MS:
                     raise ClientError.bad_value(name, value, f"in (0, {MAX_SLO_TARGET_MS:g}] milliseconds")
+
+
+def _check_logit_bias(bias: object, vocab_size: int | None) -> None:
+    if not isinstance(bias, dict):
+        raise ClientError.bad_value("logit_bias", bias, "a map of token ids to biases")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ClientError.bad_value("logit_bias", len(bias), f"at most {MAX_LOGIT_BIAS} token ids")
+    limit = f"[0, {vocab_size})" if vocab_size is not None else "the vocabulary"
+    for token, value in bias.items():
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0 or \
+                (vocab_size is not None and token >= vocab_size):
+            raise ClientError.bad_value("logit_bias", token, f"keyed by token ids in {limit}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not -MAX_LOGIT_BIAS_VALUE <= value <= MAX_LOGIT_BIAS_VALUE:
+            raise ClientError.bad_value("logit_bias", value, f"biases in [-{MAX_LOGIT_BIAS_VALUE:g}, "
+                                        f"{MAX_LOGIT_BIAS_VALUE:g}] (token {token})")
+    if vocab_size is not None and sum(v <= -MAX_LOGIT_BIAS_VALUE for v in bias.values()) >= vocab_size:
+        raise ClientError("logit_bias bans every token of the vocabulary", param="logit_bias")
 
 
 def _finite(name: str, value: object) -> None:

@@ -63,6 +63,10 @@ class Sequence:
     # A tree of drafts instead of a chain: draft_parents[i] is the index of node i's parent
     # (-1: the sequence's last token); nodes come parents first, depth by depth. None: a chain.
     draft_parents: list[int] | None = None
+    # The request's other samples (SamplingParams.n > 1) waiting for this sequence's prefill:
+    # in the step that samples its first token, each samples its own first token from the
+    # same logits row, then forks this sequence's KV blocks (AsyncEngine._fork_samples).
+    forks: list[Sequence] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

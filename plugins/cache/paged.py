@@ -56,6 +56,7 @@ class PagedCacheManager:
         self._lookahead: dict[int, int] = {}  # slots held past the tokens for drafts (max so far)
         self._registered: dict[int, tuple[int, int | None]] = {}  # seq -> (blocks done, last chain hash)
         self._num_cached = 0  # blocks in the free queue that are still registered
+        self._copies: list[tuple[int, int, int]] = []  # (src, dst, slots) owed by fork
         self.num_evictions = self.prefix_queries = self.prefix_hits = 0
 
     # ---- prefix cache -------------------------------------------------------------
@@ -178,21 +179,39 @@ class PagedCacheManager:
         self._registered.pop(seq.seq_id, None)
 
     def fork(self, parent: Sequence, child: Sequence) -> int:
-        """Share ``parent``'s computed full blocks with a new ``child``; returns the tokens
-        shared (the child computes the rest itself)."""
+        """Give a new ``child`` the KV of ``parent``'s computed prefix that the two share
+        (at most ``child.num_tokens - 1`` tokens: one is left to compute): full blocks by
+        reference, a last partial block copied into a fresh block (copy-on-write, done by
+        the runner before the next step: :meth:`take_copies`). Returns the tokens the child
+        now has KV for; without a free block for the copy, only the full blocks."""
         table = self._tables.get(parent.seq_id, [])
-        full = min(parent.num_computed_tokens // self.block_size, len(table), (child.num_tokens - 1) // self.block_size)
-        if child.seq_id in self._tables or full == 0:
+        limit = min(parent.num_computed_tokens, child.num_tokens - 1, len(table) * self.block_size)
+        n = 0
+        a, b = parent.token_ids, child.token_ids
+        while n < limit and a[n] == b[n]:
+            n += 1
+        if child.seq_id in self._tables or n == 0 or parent.cache_salt != child.cache_salt:
             return 0
+        full, partial = divmod(n, self.block_size)
         shared = table[:full]
-        for b in shared:
-            self._ref[b] += 1
+        for blk in shared:
+            self._ref[blk] += 1
+        if partial and self._free:
+            dst = self._take_free_block()
+            self._copies.append((table[full], dst, partial))
+            shared = shared + [dst]
+        else:
+            partial = 0
+        if not shared:
+            return 0
         self._tables[child.seq_id] = list(shared)
-        self._num_tokens[child.seq_id] = full * self.block_size
-        return full * self.block_size
+        self._num_tokens[child.seq_id] = full * self.block_size + partial
+        return full * self.block_size + partial
 
     def take_copies(self) -> list[tuple[int, int, int]]:
-        return []  # whole blocks only: a partial block is never shared
+        """The partial-block copies :meth:`fork` owes, for the runner to make before the next step."""
+        out, self._copies = self._copies, []
+        return out
 
     def block_table(self, seq: Sequence) -> list[int]:
         return self._tables.get(seq.seq_id, [])

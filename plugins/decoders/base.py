@@ -181,6 +181,9 @@ class SharedStepDecoder:
                 seqs = [seq for seq in seqs if seq.params.seed is not None]
             if seqs:
                 proposer.propose(seqs, result, fwd)
+        for seq, out in list(result.items()):  # forks' first tokens (n > 1): after the proposers,
+            if out.forks:                        # which only see the sequences the forward ran
+                result.update(zip(seq.forks, out.forks, strict=True))
         return result
 
     def _pays(self, seq: Sequence, out: SequenceOutput) -> bool:

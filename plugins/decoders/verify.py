@@ -158,13 +158,25 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], num_row
 
     plain = [i for i, d in enumerate(drafts) if not d]
     if plain:  # no drafts: exactly the ordinary sampling path
-        if len(plain) == logits.shape[0]:  # every row (no drafts anywhere): no copy of the logits
+        rows = [SamplingRow.of(seqs[i]) for i in plain]
+        # The other samples of an n > 1 request draw their first token from the same row,
+        # each with its own generator (its own seq_id, its own seed).
+        forked = [(i, child) for i in plain for child in seqs[i].forks]
+        if not forked and len(plain) == logits.shape[0]:  # every row (no drafts anywhere): no copy
             plain_logits = logits
         else:
-            plain_logits = logits[torch.tensor([starts[i] for i in plain], device=logits.device)]
-        tokens, logprobs = sampler(plain_logits, [SamplingRow.of(seqs[i]) for i in plain])
-        for i, tok, lp in zip(plain, tokens, logprobs, strict=True):
+            picked = [starts[i] for i in plain] + [starts[i] for i, _ in forked]
+            plain_logits = logits[torch.tensor(picked, device=logits.device)]
+            rows += [SamplingRow.of(child) for _, child in forked]
+        tokens, logprobs = sampler(plain_logits, rows)
+        for i, tok, lp in zip(plain, tokens, logprobs, strict=False):
             results[i] = SequenceOutput([tok], logprobs=[lp] if lp is not None else None)
+        for (i, _), tok, lp in zip(forked, tokens[len(plain):], logprobs[len(plain):], strict=True):
+            out = results[i]
+            assert out is not None
+            if out.forks is None:
+                out.forks = []
+            out.forks.append(SequenceOutput([tok], logprobs=[lp] if lp is not None else None))
 
     spec = [i for i, d in enumerate(drafts) if d]
     parents_of = draft_parents or [None] * len(seqs)

@@ -28,7 +28,10 @@ class QueueScheduler:
                 param="max_tokens", value=seq.params.max_tokens,
             )
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if seq.num_computed_tokens:  # a fork of an n > 1 request: it holds its KV already, and
+            self.waiting.appendleft(seq)  # arrived with its first sample: first in line
+        else:
+            self.waiting.append(seq)
 
     def finish(self, seq: Sequence) -> None:
         if seq in self.running:
