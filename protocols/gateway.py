@@ -137,7 +137,8 @@ class Gateway:
         """Validate, tokenise off the event loop, charge ``limiter``'s tokens, submit: the
         engine's request state. ``reserved``: the caller holds a slot from :meth:`reserve`
         (else one is taken here). ``fill_max_tokens``: the request gave no max_tokens, so it
-        may use the rest of the context or of the KV pool (vLLM's default). Raises Refused
+        may use the rest of the context or of the KV pool (vLLM's default). With ``params.n >
+        1`` the state returned is sample 0's; ``state.samples`` holds all n. Raises Refused
         (full, or shutting down — checked again after tokenising, so nothing is submitted
         once a drain has begun), ClientError (bad input, naming the parameter), RateLimited,
         or EngineUnavailable."""
@@ -152,7 +153,7 @@ class Gateway:
             if fill_max_tokens:  # the rest of the context, or of the KV pool where that is smaller
                 room = min(engine.max_model_len, engine.kv_capacity_tokens) - len(ids)
                 params = msgspec.structs.replace(params, max_tokens=max(1, room))
-            if wait := limiter.take_tokens(len(ids) + params.max_tokens):
+            if wait := limiter.take_tokens(len(ids) + params.n * params.max_tokens):  # n samples, one prompt
                 self.metrics.rate_limited.inc()
                 raise RateLimited(wait, "tokens")
             if self.draining:

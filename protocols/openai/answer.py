@@ -1,132 +1,250 @@
 """One accepted request's answer: a whole ``chat.completion`` / ``text_completion``, or
 server-sent events. However the answer ends (finished, the client hung up, a send stalled,
-the server closed), the request is aborted if it still runs and its end is counted once."""
+the server closed), the request is aborted if it still runs and its end is counted once.
+
+A request with ``n`` > 1 (or completions' ``best_of``) is several engine requests, one per
+sample (``state.samples``, SamplingParams.n): each becomes a choice with its ``index`` and
+its own ``finish_reason``; a stream interleaves their chunks, each naming its choice, and
+ends with one ``[DONE]`` once every sample has finished. ``usage`` counts the prompt once
+and sums the samples' completion tokens (best_of: every sample run, as OpenAI bills them).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from tokenloom.core.outputs import Finished
+from tokenloom.core.outputs import Finished, TokenDelta, Usage
 from tokenloom.protocols.openai import schema
 from tokenloom.protocols.openai.rules import HTTPError
 
 
 class Answer:
-    def __init__(self, frontend, req, kind: str, state):
+    def __init__(self, frontend, req, kind: str, state, *, prompt_text: str | None = None):
         self.frontend, self.req, self.kind, self.state = frontend, req, kind, state
         self.engine, self.metrics = frontend.engine, frontend.gateway.metrics
+        self.states = list(getattr(state, "samples", None) or [state])
+        self.n = req.n or 1  # choices returned; len(states) > n: best_of, the n best of them
         self.rid = state.request_id
+        self.rids = [s.request_id for s in self.states]
         self.id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + self.rid.removeprefix("oai-")
         self.created = int(time.time())
-        self.finished = False  # its final result was seen (and counted)
-        frontend.active.add(self.rid)
+        self.finished = [False] * len(self.states)  # each sample's final result seen (and counted)
+        # the client's own logprobs (best_of asks the engine for them to rank by)
+        self.logprobs_asked = bool(req.logprobs) if kind == "chat.completion" else req.logprobs is not None
+        self.echo = kind == "text_completion" and req.echo
+        self.prompt_text = ""
+        if self.echo:
+            self.prompt_text = prompt_text if prompt_text is not None else \
+                self.engine.tokenizer.decode(state.prompt_token_ids)
+        frontend.active.update(self.rids)
 
     # ---- shapes ---------------------------------------------------------------------------
     def _logprobs(self, entries, text: str, offset: int):
-        if not entries:
+        if not entries or not self.logprobs_asked:
             return None
         tokenizer = self.engine.tokenizer
         if self.kind == "chat.completion":
             return schema.chat_logprobs(tokenizer, entries)
         return schema.completion_logprobs(tokenizer, entries, offset, len(text))
 
-    def _choice(self, text: str, logprobs, reason: str | None, *, stream: bool) -> dict:
+    def _echo_logprobs(self, scored):
+        """The echoed prompt's piece of the legacy logprobs (``scored``: Finished.prompt_logprobs)."""
+        if not self.logprobs_asked:
+            return None
+        entries = schema.prompt_entries(self.state.prompt_token_ids, scored)
+        return schema.completion_logprobs(self.engine.tokenizer, entries, 0, len(self.prompt_text))
+
+    def _choice(self, index: int, text: str, logprobs, reason: str | None, *, stream: bool) -> dict:
         if self.kind == "text_completion":
-            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
         if not stream:
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                     "finish_reason": reason}
         delta = {} if reason is not None else {"content": text}  # the finish chunk's delta is empty
-        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
     def _envelope(self, choices: list, *, stream: bool, **extra) -> dict:
         obj = self.kind + (".chunk" if stream and self.kind == "chat.completion" else "")
         return {"id": self.id, "object": obj, "created": self.created, "model": self.frontend.model,
                 "choices": choices, **extra}
 
+    @staticmethod
+    def _usage(finals: list[Finished]) -> dict:
+        """The prompt once (sample 0's), every sample's completion tokens."""
+        first = finals[0].usage
+        return schema.usage_body(Usage(prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens,
+                                       completion_tokens=sum(f.usage.completion_tokens for f in finals)))
+
     # ---- the two ways to answer -------------------------------------------------------------
     async def whole(self, request: Request) -> Response:
         """Collect the answer, watching for the client hanging up (that aborts it)."""
-        collect = asyncio.ensure_future(_collect(self.engine.stream(self.state)))
+        collect = [asyncio.ensure_future(_collect(self.engine.stream(s))) for s in self.states]
+        everything = asyncio.gather(*collect)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait([collect, gone], return_when=asyncio.FIRST_COMPLETED)
-            if not collect.done():  # the client left: abort; the stream still ends with Finished
-                self.engine.abort(self.rid)
-            final, entries = await collect
-            self._finished(final)  # before close(): its final result is consumed
+            await asyncio.wait([everything, gone], return_when=asyncio.FIRST_COMPLETED)
+            if not everything.done():  # the client left: abort; each stream still ends with Finished
+                for i, rid in enumerate(self.rids):
+                    if not collect[i].done():
+                        self.engine.abort(rid)
+            results = await everything
+            for i, (final, _) in enumerate(results):
+                self._finished(i, final)  # before close(): its final result is consumed
         finally:
             gone.cancel()
-            collect.cancel()
+            for c in collect:
+                c.cancel()
             self.close()
-        if final.finish_reason == "error":  # 503, not 500: the engine restarts; retrying is right
-            raise HTTPError(503, f"the engine failed on this request: {final.error}", kind="server_error",
+        failed = next((f for f, _ in results if f.finish_reason == "error"), None)
+        if failed is not None:  # 503, not 500: the engine restarts; retrying is right
+            raise HTTPError(503, f"the engine failed on this request: {failed.error}", kind="server_error",
                             code="engine_error", retry_after_ms=self.engine.health_report().retry_after_ms)
-        choice = self._choice(final.text, self._logprobs(entries, final.text, 0),
-                              schema.finish_reason(final.finish_reason), stream=False)
-        return schema.json_response(self._envelope([choice], stream=False, usage=schema.usage_body(final.usage)))
+        picked = list(range(len(results)))
+        if len(results) > self.n:  # best_of: the n with the highest cumulative logprob
+            picked = sorted(picked, key=lambda i: -sum(e.logprob for e in results[i][1]))[:self.n]
+            picked.sort()
+        choices = []
+        for index, i in enumerate(picked):
+            final, entries = results[i]
+            text = final.text
+            logprobs = self._logprobs(entries, text, len(self.prompt_text))
+            if self.echo:
+                logprobs = schema.join_logprobs(self._echo_logprobs(results[0][0].prompt_logprobs), logprobs)
+                text = self.prompt_text + text
+            choices.append(self._choice(index, text, logprobs, schema.finish_reason(final.finish_reason),
+                                        stream=False))
+        return schema.json_response(self._envelope(choices, stream=False,
+                                                   usage=self._usage([f for f, _ in results])))
 
     def events_response(self, include_usage: bool, send_timeout_s: float) -> Response:
         return _EventStream(self._events(include_usage), self.close, send_timeout_s)
 
     async def _events(self, include_usage: bool):
-        """A role chunk (chat), content chunks, the finish chunk, the usage chunk when asked,
-        then ``[DONE]``; an engine failure is an ``error`` event. What the engine has ready
-        at once (deltas that piled up, the last delta and the end) goes out in one write."""
+        """A role chunk per choice (chat), content chunks, each choice's finish chunk, the
+        usage chunk when asked, then ``[DONE]``; an engine failure is an ``error`` event.
+        What the engine has ready at once for a sample (deltas that piled up, the last delta
+        and the end) goes out in one write. With ``echo`` each choice starts with the prompt
+        (and its logprobs, which come with sample 0's first delta)."""
         usage_none = {"usage": None} if include_usage else {}
-        offset = 0
-        if self.kind == "chat.completion":
-            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None}
-            yield _sse(self._envelope([first], stream=True, **usage_none))
-        async for ready in self.engine.stream(self.state, batched=True):
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, state) -> None:
+            async for ready in self.engine.stream(state, batched=True):
+                merged.put_nowait((i, ready))
+
+        pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(self.states)]
+        offsets = [len(self.prompt_text)] * len(self.states)
+        finals: list[Finished | None] = [None] * len(self.states)
+        failed = False
+        echoed = not self.echo
+        held: list = []  # other samples' output until the echo went out (it leads every choice)
+
+        def echo_frames(scored) -> list[bytes]:
+            logprobs = self._echo_logprobs(scored)
+            return [_sse(self._envelope([self._choice(i, self.prompt_text, logprobs, None, stream=True)],
+                                        stream=True, **usage_none)) for i in range(len(self.states))]
+
+        def frames_of(i: int, ready: list) -> list[bytes]:
+            nonlocal failed
             frames = []
             for item in ready:
                 if isinstance(item, Finished):
-                    self._finished(item)
+                    self._finished(i, item)
+                    finals[i] = item
                     if item.finish_reason == "error":
-                        frames.append(_sse(schema.error_body(f"the engine failed on this request: {item.error}",
-                                                             kind="server_error", code="engine_error")))
+                        if not failed:
+                            failed = True
+                            frames.append(_sse(schema.error_body(f"the engine failed on this request: {item.error}",
+                                                                 kind="server_error", code="engine_error")))
                     else:
-                        finish = self._choice("", None, schema.finish_reason(item.finish_reason), stream=True)
+                        finish = self._choice(i, "", None, schema.finish_reason(item.finish_reason), stream=True)
                         frames.append(_sse(self._envelope([finish], stream=True, **usage_none)))
-                        if include_usage:
-                            frames.append(_sse(self._envelope([], stream=True, usage=schema.usage_body(item.usage))))
-                    frames.append(b"data: [DONE]\n\n")
                 elif item.text or item.logprobs:
-                    logprobs = self._logprobs(item.logprobs, item.text, offset)
-                    offset += len(item.text)
-                    frames.append(_sse(self._envelope([self._choice(item.text, logprobs, None, stream=True)],
+                    logprobs = self._logprobs(item.logprobs, item.text, offsets[i])
+                    offsets[i] += len(item.text)
+                    frames.append(_sse(self._envelope([self._choice(i, item.text, logprobs, None, stream=True)],
                                                       stream=True, **usage_none)))
-            if frames:
-                yield b"".join(frames)
+            return frames
+
+        try:
+            if self.kind == "chat.completion":
+                firsts = [_sse(self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}],
+                                              stream=True, **usage_none)) for i in range(len(self.states))]
+                yield b"".join(firsts)
+            wait_for_scores = self.echo and self.logprobs_asked
+            if self.echo and not wait_for_scores:
+                yield b"".join(echo_frames(None))
+                echoed = True
+            while any(f is None for f in finals):
+                i, ready = await merged.get()
+                frames: list[bytes] = []
+                if not echoed:
+                    if i != 0:
+                        held.append((i, ready))
+                        continue
+                    scored = next((x.prompt_logprobs for x in ready if isinstance(x, TokenDelta)
+                                   and x.prompt_logprobs), None)
+                    if scored is None and not any(isinstance(x, Finished) for x in ready):
+                        held.append((i, ready))  # (a delta before the scores: none is sent first)
+                        continue
+                    if scored is None:
+                        scored = next(x.prompt_logprobs for x in ready if isinstance(x, Finished))
+                    frames += echo_frames(scored)
+                    echoed = True
+                    for j, other in held:
+                        frames += frames_of(j, other)
+                    held.clear()
+                frames += frames_of(i, ready)
+                if frames:
+                    yield b"".join(frames)
+            tail = []
+            if include_usage and not failed:
+                tail.append(_sse(self._envelope([], stream=True, usage=self._usage([f for f in finals if f]))))
+            tail.append(b"data: [DONE]\n\n")
+            yield b"".join(tail)
+        finally:
+            for p in pumps:
+                p.cancel()
+            # a final result a pump had passed on but nobody read yet still counts (close() waits for
+            # the others)
+            for i, ready in held + _drain(merged):
+                for item in ready:
+                    if isinstance(item, Finished):
+                        self._finished(i, item)
 
     # ---- the end --------------------------------------------------------------------------
-    def _finished(self, final: Finished) -> None:
-        if not self.finished:
-            self.finished = True
+    def _finished(self, i: int, final: Finished) -> None:
+        if not self.finished[i]:
+            self.finished[i] = True
+            if i:  # the prompt counts once, with sample 0
+                final = msgspec.structs.replace(final, usage=msgspec.structs.replace(
+                    final.usage, prompt_tokens=0, cached_tokens=0))
             self.metrics.observe_finished(final.finish_reason, final)
 
     def close(self) -> None:
-        """The answer is over: abort the request if it still runs (the client left), and
-        count its end once the engine has ended it. Whether or not this abort is the one
-        that ends it (leaving the engine's stream aborts too, and the engine may have ended
-        it meanwhile), its final result has not been consumed yet, so it is awaited here."""
-        self.frontend.active.discard(self.rid)
-        if not self.finished:
-            self.engine.abort(self.rid)
-            task = asyncio.ensure_future(self._count_abort())
-            self.frontend.background.add(task)
-            task.add_done_callback(self.frontend.background.discard)
+        """The answer is over: abort the samples that still run (the client left), and
+        count their ends once the engine has ended them. Whether or not this abort is the
+        one that ends a sample (leaving the engine's stream aborts too, and the engine may
+        have ended it meanwhile), its final result has not been consumed yet, so it is
+        awaited here."""
+        self.frontend.active.difference_update(self.rids)
+        for i, state in enumerate(self.states):
+            if not self.finished[i]:
+                self.engine.abort(state.request_id)
+                task = asyncio.ensure_future(self._count_abort(i, state))
+                self.frontend.background.add(task)
+                task.add_done_callback(self.frontend.background.discard)
 
-    async def _count_abort(self) -> None:
-        async for item in self.engine.stream(self.state):
+    async def _count_abort(self, i: int, state) -> None:
+        async for item in self.engine.stream(state):
             if isinstance(item, Finished):
-                self._finished(item)
+                self._finished(i, item)
 
 
 class _EventStream(StreamingResponse):
@@ -160,6 +278,13 @@ def _only_timeouts(exc: BaseException) -> bool:
         return True
     inner = getattr(exc, "exceptions", None)
     return bool(inner) and all(_only_timeouts(e) for e in inner)
+
+
+def _drain(queue: asyncio.Queue) -> list:
+    out = []
+    while not queue.empty():
+        out.append(queue.get_nowait())
+    return out
 
 
 async def _collect(stream) -> tuple[Finished, list]:

@@ -2,10 +2,15 @@
 response shapes (chat.completion, text_completion, their stream chunks, errors).
 
 Fields OpenAI defines that change what is generated and that tokenloom cannot honour
-(``n`` > 1, ``best_of`` > 1, ``tools``, a JSON ``response_format``, ``logit_bias``,
-``echo``, ``suffix``, non-text content parts) are refused with a 400 naming the field;
-fields that only describe the caller (``user``, ``metadata``, ``store``, ...) and unknown
-fields are ignored, as OpenAI's own server and vLLM ignore what they do not use.
+(``tools``, a JSON ``response_format``, ``suffix``, non-text content parts) are refused
+with a 400 naming the field; fields that only describe the caller (``user``, ``metadata``,
+``store``, ...) and unknown fields are ignored, as OpenAI's own server and vLLM ignore what
+they do not use. ``n`` (up to 128) samples the prompt n times, the prompt prefilled once
+(SamplingParams.n); completions' ``best_of`` (n to 128, not streamed) runs best_of samples
+and returns the n with the highest cumulative logprob. ``logit_bias`` maps token-id strings
+to [-100, 100] (-100 bans the token). Completions' ``echo`` returns the prompt before the
+completion and, with ``logprobs``, the prompt tokens' logprobs (the first one's ``None``);
+``max_tokens: 0`` is allowed with ``echo`` (scoring a text, as lm-eval's loglikelihood does).
 Extensions in vLLM's spirit: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``, and tokenloom's ``decoder``, ``num_speculative_tokens`` and the latency
 targets ``slo_class``, ``ttft_ms``, ``tpot_ms`` (see SamplingParams).
@@ -22,7 +27,7 @@ from typing import Annotated, Any
 import msgspec
 
 from tokenloom.core.errors import ClientError, quoted
-from tokenloom.core.sampling_params import SamplingParams
+from tokenloom.core.sampling_params import MAX_N, SamplingParams
 from tokenloom.protocols.websocket.messages import MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_TOKEN_ID
 
 Text = Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)]
@@ -116,10 +121,8 @@ def _param_of(text: str) -> str | None:
 
 
 def _refuse_unsupported(req: _Sampling) -> None:
-    if req.n is not None and req.n != 1:
-        raise ClientError.bad_value("n", req.n, "1 (one choice per request: send parallel requests instead)")
-    if req.logit_bias:
-        raise ClientError("logit_bias is not supported", param="logit_bias")
+    if req.n is not None and not 1 <= req.n <= MAX_N:
+        raise ClientError.bad_value("n", req.n, f"in [1, {MAX_N}]")
     if isinstance(req, ChatCompletionRequest):
         if req.tools:
             raise ClientError("tools (function calling) are not supported", param="tools")
@@ -130,10 +133,13 @@ def _refuse_unsupported(req: _Sampling) -> None:
         if req.top_logprobs is not None and not req.logprobs:
             raise ClientError("top_logprobs needs logprobs: true", param="top_logprobs")
     else:
-        if req.best_of is not None and req.best_of != 1:
-            raise ClientError.bad_value("best_of", req.best_of, "1")
-        if req.echo:
-            raise ClientError("echo is not supported", param="echo")
+        n = req.n or 1
+        if req.best_of is not None and not n <= req.best_of <= MAX_N:
+            raise ClientError.bad_value("best_of", req.best_of, f"in [n, {MAX_N}] (n = {n})")
+        if req.best_of is not None and req.best_of > n and req.stream:
+            raise ClientError("best_of > n cannot be streamed (the best are known only at the end)", param="best_of")
+        if req.max_tokens == 0 and not req.echo:
+            raise ClientError.bad_value("max_tokens", 0, ">= 1 (0 only with echo: the prompt scored alone)")
         if req.suffix:
             raise ClientError("suffix (insertion) is not supported", param="suffix")
 
@@ -170,9 +176,30 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
     raise ClientError("prompt must be a string or a list of token ids, one prompt per request", param="prompt")
 
 
+def logit_bias(req: _Sampling) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token-id strings) as SamplingParams takes it (ids)."""
+    if not req.logit_bias:
+        return None
+    out = {}
+    for key, value in req.logit_bias.items():
+        if not key.isascii() or not key.isdigit() or len(key) > 10:
+            raise ClientError.bad_value("logit_bias", key, "keyed by token ids (strings of digits)")
+        out[int(key)] = value
+    return out
+
+
+def num_samples(req: _Sampling) -> int:
+    """The samples the engine runs: ``n``, or completions' ``best_of`` when larger."""
+    n = req.n or 1
+    best_of = getattr(req, "best_of", None)
+    return max(n, best_of or n)
+
+
 def sampling_params(req: _Sampling, num_logprobs: int | None) -> tuple[SamplingParams, bool]:
     """SamplingParams for the request (validated later, naming the field), and whether
-    max_tokens was left open (then the rest of the context is the limit)."""
+    max_tokens was left open (then the rest of the context is the limit). Ranking
+    ``best_of`` samples needs each token's logprob: asked for here (``logprobs=0``) if the
+    client did not; echo with logprobs (or with ``max_tokens: 0``) asks for the prompt's."""
     max_tokens = req.max_tokens
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
@@ -183,9 +210,15 @@ def sampling_params(req: _Sampling, num_logprobs: int | None) -> tuple[SamplingP
              "num_speculative_tokens": req.num_speculative_tokens, "slo_class": req.slo_class,
              "ttft_ms": req.ttft_ms, "tpot_ms": req.tpot_ms}
     fields = {k: v for k, v in given.items() if v is not None}
+    n = num_samples(req)
+    if n > (req.n or 1) and num_logprobs is None:
+        num_logprobs = 0  # best_of ranks by cumulative logprob
+    prompt_logprobs = None
+    if isinstance(req, CompletionRequest) and req.echo and (req.logprobs is not None or max_tokens == 0):
+        prompt_logprobs = req.logprobs or 0
     params = SamplingParams(**fields, max_tokens=max_tokens if max_tokens is not None else 1, stop=stop,
                             stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-                            logprobs=num_logprobs)
+                            logprobs=num_logprobs, logit_bias=logit_bias(req), n=n, prompt_logprobs=prompt_logprobs)
     return params, max_tokens is None
 
 
@@ -239,7 +272,8 @@ def chat_logprobs(tokenizer, entries) -> dict:
 def completion_logprobs(tokenizer, entries, offset: int, text_len: int) -> dict:
     """The legacy shape. ``text_offset`` counts characters of the returned text: the
     tokens of one piece of ``text_len`` characters starting at ``offset`` advance by the
-    characters their bytes complete, never past the piece's end."""
+    characters their bytes complete, never past the piece's end. An entry whose logprob is
+    ``None`` (an echoed prompt's first token) has ``None`` for its top logprobs too."""
     tokens, offsets, pending, done = [], [], b"", 0
     for e in entries:
         text, raw = token_text(tokenizer, e.token_id)
@@ -252,5 +286,29 @@ def completion_logprobs(tokenizer, entries, offset: int, text_len: int) -> dict:
         except UnicodeDecodeError:
             pass
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{token_text(tokenizer, t.token_id)[0]: t.logprob for t in e.top} for e in entries],
+            "top_logprobs": [None if e.logprob is None else {token_text(tokenizer, t.token_id)[0]: t.logprob
+                                                             for t in e.top} for e in entries],
             "text_offset": offsets}
+
+
+def join_logprobs(a: dict | None, b: dict | None) -> dict | None:
+    """Two pieces of the legacy shape (an echoed prompt's, then the completion's) as one."""
+    if a is None or b is None:
+        return a or b
+    return {key: a[key] + b[key] for key in a}
+
+
+class PromptToken(msgspec.Struct, frozen=True):
+    """One echoed prompt token as :func:`completion_logprobs` reads it."""
+
+    token_id: int
+    logprob: float | None
+    top: list = msgspec.field(default_factory=list)
+
+
+def prompt_entries(prompt_ids: list[int], scored) -> list[PromptToken]:
+    """The prompt's tokens with their logprobs (``Finished.prompt_logprobs``; the first
+    ``None``), for :func:`completion_logprobs`."""
+    out = [PromptToken(prompt_ids[0], None)]
+    out += [PromptToken(e.token_id, e.logprob, e.top) for e in (scored or [None])[1:]]
+    return out

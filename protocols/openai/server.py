@@ -182,8 +182,9 @@ class OpenAIFrontend:
 
     async def completions(self, request: Request) -> Response:
         req = schema.decode_request(await self._body(request), schema.CompletionRequest)
-        return await self._generate(request, req, "text_completion", req.logprobs,
-                                    prompt=schema.completion_prompt(req))
+        prompt = schema.completion_prompt(req)
+        return await self._generate(request, req, "text_completion", req.logprobs, prompt=prompt,
+                                    echo_text=prompt if isinstance(prompt, str) else None)
 
     # ---- one request ----------------------------------------------------------------------
     async def _body(self, request: Request) -> bytes:
@@ -222,7 +223,8 @@ class OpenAIFrontend:
             self._limiters.popitem(last=False)
         return limiter
 
-    async def _generate(self, request: Request, req, kind: str, num_logprobs: int | None, **prompt) -> Response:
+    async def _generate(self, request: Request, req, kind: str, num_logprobs: int | None, *,
+                        echo_text: str | None = None, **prompt) -> Response:
         """Admission through the gateway (reserve a queue slot, charge the rate limits,
         tokenise, submit), then the answer."""
         if req.model not in self.aliases:
@@ -249,7 +251,7 @@ class OpenAIFrontend:
                             retry_after_ms=exc.retry_after_ms) from None
         except ClientError as exc:
             raise client_error(exc, req) from None
-        answer = Answer(self, req, kind, state)
+        answer = Answer(self, req, kind, state, prompt_text=echo_text)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return answer.events_response(include_usage, gateway.options.send_timeout_s)

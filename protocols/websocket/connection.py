@@ -142,6 +142,9 @@ class Connection:
     async def _admit(self, rid: str, msg: Generate):
         """Tokenise off the loop, charge the rate limit, submit; None (and an error sent) if refused."""
         try:
+            if (refusal := _not_on_websocket(msg.params)) is not None:
+                self.gateway.release()  # the slot _generate reserved (admit would give it back)
+                raise refusal
             messages = [{"role": m.role, "content": m.content} for m in msg.messages] if msg.messages else None
             prompt = msg.prompt if msg.prompt is not None else msg.prompt_token_ids
             return await self.gateway.admit(params=msg.params, limiter=self.limiter, request_id=self._engine_id(rid),
@@ -213,3 +216,14 @@ class Connection:
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
         await drain(self.out, self.server.options.send_timeout_s)
         await self.ws.close(code, reason)
+
+
+def _not_on_websocket(params: SamplingParams) -> ClientError | None:
+    """What the protocol's one stream per request cannot carry: ``n`` > 1 samples (send n
+    requests: a shared prompt is a prefix-cache hit) and prompt logprobs."""
+    if params.n != 1:
+        return ClientError.bad_value("n", params.n, "1 on the WebSocket protocol (one stream per request)")
+    if params.prompt_logprobs is not None:
+        return ClientError("prompt_logprobs are not carried by the WebSocket protocol (the OpenAI API's echo "
+                           "returns them)", param="prompt_logprobs")
+    return None
