@@ -66,6 +66,11 @@ def _user_env(venv: Path) -> dict[str, str]:
     env["VIRTUAL_ENV"] = str(venv)
     env["PATH"] = os.pathsep.join([str(venv / "bin"), env.get("PATH", "")])
     env["TOKENLOOM_LOG_FORMAT"] = "console"
+    # torch's extension folder is shared by every checkout on the machine, keyed by the C++'s
+    # hash but not its path: a build from the installed copy's sources would replace the
+    # source tree's build there (and the next in-tree engine rebuild it, ~45 s each way).
+    # The installed copy gets its own; test_generate runs with the torch decode path anyway.
+    env["TORCH_EXTENSIONS_DIR"] = str(venv.parent / "torch_extensions")
     return env
 
 
@@ -227,8 +232,28 @@ def test_plan(installed):
     assert "KV cache" in table and "parameters" in table, table
 
 
+def test_the_cpp_sources_are_found_in_the_installed_copy(installed):
+    """The C++ CPU ops build on first use from the package's ``kernels/csrc`` (package data):
+    the installed copy finds its own sources and headers there. (Their build is tested in the
+    tree, tests/test_cpu_kernels.py; building them here again would take ~45 s per install.)"""
+    proc = _run([installed.python, "-c",
+                 "from tokenloom.kernels import cpu_ops; sources, headers = cpu_ops._source_files(); "
+                 "print(*sources, sep='\\n'); print('--'); print(*headers, sep='\\n')"],
+                cwd=installed.cwd, env=_user_env(installed.venv), what="kernels.cpu_ops._source_files()")
+    sources, headers = (part.split() for part in proc.stdout.split("--\n"))
+    assert sources and headers, proc.stdout
+    venv = installed.venv.resolve()
+    for path in map(Path, sources + headers):
+        assert path.resolve().is_relative_to(venv) and path.is_file(), (
+            f"[{installed.kind}] C++ source {path} is not a file of the fresh venv {venv}")
+
+
 def test_generate(installed):
-    proc = installed.tokenloom("generate", "-n", "4", "--temperature", "0", "Hello")
+    # The torch decode path: the C++ ops would be built first (see the test above). One torch
+    # thread: on a shared 2-core machine two OpenMP threads waiting on each other's barriers
+    # while other work holds a core made this command 2-3x slower (decode steps 40x).
+    proc = installed.tokenloom("generate", "-n", "4", "--temperature", "0", "--threads", "1",
+                               "--set", 'backend.decode_attention="torch"', "Hello")
     assert proc.stdout.strip(), (f"[{installed.kind}] `tokenloom generate` printed no text\n"
                                  f"--- stderr ---\n{_tail(proc.stderr)}")
     assert "Traceback" not in proc.stderr, proc.stderr
