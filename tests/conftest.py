@@ -84,6 +84,24 @@ def tiny_hf_model(tiny_model_dir):
     return LlamaForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
 
 
+@pytest.fixture
+def one_thread(request):
+    """One torch intra-op thread for the test; engines built in it keep it (their step threads
+    start with it). Use it where the tensors are the tiny models': they gain nothing from a
+    second thread, and on a shared 2-core machine two OpenMP threads that wait on each other's
+    barriers while other work holds a core made such steps 2-10x slower (a masked SDPA of the
+    kit model: ~30 us on one thread, milliseconds on two under load). Tests marked ``slow``
+    (the embedded model, whose matmuls do gain from two threads) keep the default.
+    ``pytestmark = pytest.mark.usefixtures("one_thread")`` puts a module's tests on it."""
+    if request.node.get_closest_marker("slow") is not None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def tiny_engine_kwargs(model_dir, **overrides):
     kwargs = {"model": str(model_dir), "dtype": "float32", "device": "cpu", "num_kv_blocks": 256,
               "block_size": 16}
