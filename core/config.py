@@ -80,6 +80,8 @@ class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # distributed_timeout_s.
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 30.0
+    # the grammar backend (``register_grammars``) that compiles structured-output constraints
+    grammar_backend: str = "xgrammar"
 
 
 @dataclass(slots=True)
@@ -175,6 +177,7 @@ def build_config(pm: PluginManager, *layers: Mapping[str, Any]) -> EngineConfig:
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid engine option: {exc}") from None
     _check_engine(engine)
+    pm.get("grammar", engine.grammar_backend)  # an unknown name fails here, naming the known ones
     config = EngineConfig(engine=engine)
     for role in SELECTABLE_ROLES:
         table = dict(role_tables.get(role, {}))

@@ -27,6 +27,7 @@ from tokenloom.core.interfaces import (
     CacheManager,
     Decoder,
     Frontend,
+    GrammarBackend,
     ModelArchitecture,
     ModelFormat,
     Quantizer,
@@ -51,6 +52,7 @@ _NOT_MEMBERS = frozenset({
 ROLE_CONTRACTS: dict[str, type] = {
     "scheduler": Scheduler, "cache_manager": CacheManager, "quantizer": Quantizer, "decoder": Decoder,
     "backend": Backend, "model_format": ModelFormat, "architecture": ModelArchitecture, "frontend": Frontend,
+    "grammar": GrammarBackend,
 }
 
 

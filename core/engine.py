@@ -8,19 +8,21 @@ import asyncio
 import heapq
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import msgspec
 import structlog
 
+from tokenloom.core import contracts
 from tokenloom.core.build import EngineParts, build_engine_parts
 from tokenloom.core.config import EngineConfig
 from tokenloom.core.detokenizer import IncrementalDetokenizer
 from tokenloom.core.errors import ClientError, RequestTooLong
 from tokenloom.core.executor import ExecutorFailed
+from tokenloom.core.grammar import GrammarState
 from tokenloom.core.health import EngineHealth, HealthReport
 from tokenloom.core.inputs import check_length, encode_prompt, refuse_by_size
 from tokenloom.core.interfaces import DecoderOutput
@@ -29,10 +31,11 @@ from tokenloom.core.outputs import Finished, Logprob, TokenDelta, TokenLogprobs,
 from tokenloom.core.plugins import PluginManager
 from tokenloom.core.requests import RequestState, Sink, sample_request_ids
 from tokenloom.core.sampler import TokenLogprob
-from tokenloom.core.sampling_params import MAX_SEED, SamplingParams
+from tokenloom.core.sampling_params import MAX_SEED, Constraint, SamplingParams
 from tokenloom.core.sequence import Batch, Sequence, SequenceStatus
 
 log = structlog.get_logger("tokenloom.engine")
+GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept (by constraint)
 
 
 class AsyncEngine:
@@ -62,6 +65,13 @@ class AsyncEngine:
         self.overlap = config.engine.overlap
         # Long prompts are tokenised here, off the event loop and beside the step thread.
         self._tokenize_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenloom-tokenize")
+        # Structured outputs: the grammar backend compiles constraints on a thread of its own
+        # (neither the event loop nor the step thread); compiled grammars, or the compile in
+        # flight, are kept per constraint (an LRU of futures, failures included).
+        self.grammar = contracts.build(self.pm.get("grammar", config.engine.grammar_backend), None,
+                                       self.tokenizer, self.model_config.vocab_size)
+        self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenloom-grammar")
+        self._grammars: OrderedDict[bytes, Future] = OrderedDict()
         self._loop_task: asyncio.Task | None = None
         # replaced by each new step-loop task (an Event binds to the event loop that first waits on it)
         self._wakeup = asyncio.Event()
@@ -136,6 +146,11 @@ class AsyncEngine:
             raise ClientError(f"decoder {params.decoder!r} is unavailable here ({self.decoder.unavailable[params.decoder]})",
                               param="decoder", value=params.decoder)
         self._ensure_loop()
+        grammar: Future | None = None
+        if params.constraint is not None:
+            grammar = self._grammar_future(params.constraint)
+            if grammar.done():
+                grammar.result()  # a constraint that failed to compile: its ClientError, now
         request_id = request_id or uuid.uuid4().hex
         rids = sample_request_ids(request_id, params.n)
         for rid in rids:
@@ -155,7 +170,12 @@ class AsyncEngine:
                                  cache_salt=cache_salt))
         first = seqs[0]
         first.forks = seqs[1:]
-        if params.prompt_logprobs is not None:  # scored first (_score_prompts); queued after that
+        waiting = grammar is not None and not grammar.done()
+        if grammar is not None and not waiting:
+            compiled = grammar.result()
+            for seq in seqs:
+                seq.grammar = GrammarState(self.grammar.matcher(compiled), self.model_config.vocab_size)
+        if params.prompt_logprobs is not None or waiting:  # scored / compiled first; queued after that
             if not self.cache.can_ever_fit(first):
                 raise RequestTooLong(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs more KV "
                                      f"blocks than the cache has", param="max_tokens", value=params.max_tokens)
@@ -169,7 +189,11 @@ class AsyncEngine:
             if params.timeout_s is not None:
                 heapq.heappush(self._deadlines, (req.seq.arrival_time + params.timeout_s, req.seq.seq_id,
                                                  req.request_id))
-        if params.prompt_logprobs is not None:
+        if waiting:
+            assert grammar is not None
+            loop = asyncio.get_running_loop()
+            grammar.add_done_callback(lambda f: loop.call_soon_threadsafe(self._grammar_ready, reqs, f))
+        elif params.prompt_logprobs is not None:
             self._scoring.append(reqs[0])
         self.counters.prompt_tokens += len(ids)  # once: the samples share the prompt
         self._wakeup.set()
@@ -178,8 +202,61 @@ class AsyncEngine:
     async def submit_async(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str,
                            cache_salt: str | None = None) -> RequestState:
         """A server's way in (the gateway's): :meth:`submit` here; across a process boundary
-        (core/engine_process.py) it waits for the core to accept or refuse."""
+        (core/engine_process.py) it waits for the core to accept or refuse. A constrained
+        request waits here for its grammar (compiled off the event loop), so that a
+        constraint that does not compile is refused (a ClientError naming its parameter)."""
+        if params.constraint is not None:
+            params.validate(self.model_config.vocab_size)
+            await self.wait_for_grammar(params.constraint)
         return self.submit(prompt_ids, params, request_id=request_id, cache_salt=cache_salt)
+
+    async def wait_for_grammar(self, constraint: Constraint) -> None:
+        """Compile ``constraint`` (on the grammar thread) unless it is cached; raises its
+        ClientError when it does not compile. A later :meth:`submit` finds it ready."""
+        await asyncio.wrap_future(self._grammar_future(constraint))
+
+    def _grammar_future(self, constraint: Constraint) -> Future:
+        """The compile of ``constraint`` (started now on the grammar thread, or the cached one)."""
+        key = msgspec.json.encode(constraint)
+        fut = self._grammars.get(key)
+        if fut is None:
+            fut = self._grammar_pool.submit(self.grammar.compile, constraint)
+            self._grammars[key] = fut
+            while len(self._grammars) > GRAMMAR_CACHE_SIZE:
+                self._grammars.popitem(last=False)
+        else:
+            self._grammars.move_to_end(key)
+        return fut
+
+    def _grammar_ready(self, reqs: list[RequestState], fut: Future) -> None:
+        """On the event loop: the grammar a submitted request waited for has compiled (or
+        failed: its samples end with the error, naming the parameter). Each live sample gets
+        its matcher; the first is queued (scored first with prompt_logprobs) carrying the rest
+        as its forks."""
+        live = [r for r in reqs if self._live(r.seq)]
+        if not live:
+            return
+        try:
+            compiled = fut.result()
+        except Exception as exc:
+            error = str(exc) if isinstance(exc, ClientError) else f"grammar compile failed: {type(exc).__name__}: {exc}"
+            for r in live:
+                self._end_early(r, SequenceStatus.FINISHED_ERROR, error=error)
+            return
+        for r in live:
+            r.seq.grammar = GrammarState(self.grammar.matcher(compiled), self.model_config.vocab_size)
+        head = live[0]
+        head.seq.forks = [r.seq for r in live[1:]]
+        if head.seq.params.prompt_logprobs is not None:
+            self._scoring.append(head)
+        else:
+            try:
+                self.scheduler.add(head.seq)
+            except ClientError as exc:
+                for r in live:
+                    self._end_early(r, SequenceStatus.FINISHED_ERROR, error=str(exc))
+                return
+        self._wakeup.set()
 
     async def refresh_stats(self) -> None:
         """Make :meth:`stats` current (a no-op here; the engine core in its own process is
@@ -343,8 +420,8 @@ class AsyncEngine:
         """``seq`` ended before its prefill gave its forks their first tokens: the first
         fork still running prefills for itself and carries the rest."""
         forks, seq.forks = [f for f in seq.forks if self._live(f)], []
-        if not forks:
-            return
+        if not forks or (seq.params.constraint is not None and seq.grammar is None):
+            return  # (none left, or still waiting for their grammar: _grammar_ready queues them)
         head = forks[0]
         head.forks = forks[1:]
         try:
@@ -406,10 +483,15 @@ class AsyncEngine:
         :meth:`_publish`. Returns (the stop, if it stops: ``req.ending`` is set), tokens taken)."""
         seq = req.seq
         status, accepted = None, []
+        grammar = seq.grammar
         for tok in res.token_ids:
             seq.append_token(tok)
             accepted.append(tok)
+            if grammar is not None:
+                grammar.accept(tok)
             status = req.check_stop(tok, self.max_model_len, detokenize=req.detok.needs_text)
+            if status is None and grammar is not None and grammar.terminated:
+                status = SequenceStatus.FINISHED_STOPPED  # the grammar is complete (it took a stop token)
             if status is not None:
                 break
         # A stop inside the accepted drafts appends fewer tokens than were computed: KV
@@ -575,6 +657,7 @@ class AsyncEngine:
         self._step_thread.submit(self.executor.close).result()  # other ranks stop (tensor parallelism)
         self._step_thread.shutdown(wait=True)
         self._tokenize_executor.shutdown(wait=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass(slots=True)

@@ -248,6 +248,8 @@ async def _serve_core(sock: socket.socket, config: EngineConfig, show_progress: 
                       engine.kv_capacity_tokens, os.getpid())
     channel.send(Ready(pickle.dumps(info)))
     outbox = _Outbox(channel, engine)
+    compiling: dict[str, bool] = {}  # constrained requests waiting for their grammar: aborted meanwhile?
+    tasks: set[asyncio.Task] = set()
     try:
         while True:
             try:
@@ -255,15 +257,16 @@ async def _serve_core(sock: socket.socket, config: EngineConfig, show_progress: 
             except (asyncio.IncompleteReadError, ConnectionError):
                 break  # the server is gone: stop
             if isinstance(msg, Submit):
-                try:
-                    engine.submit(msg.prompt_ids, msg.params, request_id=msg.request_id, cache_salt=msg.cache_salt,
-                                  sink=outbox)
-                except Exception as exc:  # ClientError, EngineUnavailable, RequestTooLong
-                    outbox.refused(msg.request_id, exc)
+                if msg.params.constraint is not None:  # waits for its grammar (compiled off this loop) first
+                    compiling[msg.request_id] = False
+                    tasks.add(t := asyncio.get_running_loop().create_task(_submit(engine, msg, outbox, compiling)))
+                    t.add_done_callback(tasks.discard)
                 else:
-                    outbox.accepted(msg.request_id)
+                    _submit_now(engine, msg, outbox)
             elif isinstance(msg, Abort):
                 for rid in msg.request_ids:
+                    if rid in compiling:
+                        compiling[rid] = True  # aborted while its grammar compiles: aborted once submitted
                     engine.abort(rid)
             elif isinstance(msg, StatsQuery):
                 channel.send(StatsReply(msg.call_id, {**engine.stats(), **_memory("engine_")}, engine.kv_block_map()))
@@ -277,6 +280,31 @@ async def _serve_core(sock: socket.socket, config: EngineConfig, show_progress: 
             await channel.writer.drain()
         engine.close()
         channel.close()
+
+
+def _submit_now(engine, msg: Submit, outbox: _Outbox) -> bool:
+    try:
+        engine.submit(msg.prompt_ids, msg.params, request_id=msg.request_id, cache_salt=msg.cache_salt, sink=outbox)
+    except Exception as exc:  # ClientError, EngineUnavailable, RequestTooLong
+        outbox.refused(msg.request_id, exc)
+        return False
+    outbox.accepted(msg.request_id)
+    return True
+
+
+async def _submit(engine, msg: Submit, outbox: _Outbox, compiling: dict[str, bool]) -> None:
+    """A constrained request: its grammar compiles first (a constraint that does not compile
+    is refused, naming its parameter, like any bad parameter), then it is submitted."""
+    try:
+        assert msg.params.constraint is not None
+        await engine.wait_for_grammar(msg.params.constraint)
+    except Exception as exc:
+        compiling.pop(msg.request_id, None)
+        outbox.refused(msg.request_id, exc)
+        return
+    if _submit_now(engine, msg, outbox) and compiling.get(msg.request_id):
+        engine.abort(msg.request_id)
+    compiling.pop(msg.request_id, None)
 
 
 def _memory(prefix: str) -> dict[str, int]:

@@ -175,6 +175,28 @@ def register_frontends(register: Register) -> None:
 
 
 @hookspec
+def register_grammars(register: Register) -> None:
+    """Register grammar backends: structured outputs (``SamplingParams.constraint``).
+
+    Called once per plugin manager, at start-up. The engine builds the one that
+    ``engine.grammar_backend`` names (``xgrammar``, built in, by default).
+
+    :param register: as for :func:`register_schedulers`; ``factory(options, tokenizer,
+        vocab_size)``, with the engine's :class:`tokenloom.core.tokenizer.Tokenizer` and the
+        model's vocabulary size (the width of its logits, which may exceed the tokenizer's),
+        returns a :class:`tokenloom.core.interfaces.GrammarBackend`: ``compile(constraint)``
+        turns a :class:`tokenloom.core.sampling_params.Constraint` into a compiled grammar
+        (raising :class:`tokenloom.core.errors.ClientError` naming the request parameter when
+        it cannot), ``matcher(compiled)`` gives one sequence's
+        :class:`tokenloom.core.interfaces.GrammarMatcher`. The engine calls ``compile`` on a
+        worker thread of its own (never the event loop, never the step thread) and caches
+        the result by constraint; a factory should not import a heavy dependency before the
+        first ``compile``.
+    :returns: nothing; results are ignored.
+    """
+
+
+@hookspec
 def engine_started(config: EngineConfig, engine: AsyncEngine) -> None:
     """The engine has loaded its model and built its strategies.
 

@@ -595,3 +595,40 @@ class Frontend(Protocol):
     def stop_accepting(self) -> None: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class GrammarMatcher(Protocol):
+    """One sequence's position in a compiled grammar (structured outputs). Tokens are the
+    model's ids; the bitmask is xgrammar's layout: an int32 tensor of ``ceil(V / 32)``
+    words per row, bit ``t % 32`` of word ``t // 32`` set when token ``t`` is allowed."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
+        """Write the tokens allowed at the next position into row ``index`` of ``bitmask``
+        (a terminated matcher allows only the stop tokens)."""
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one token; False (and no change) when the grammar forbids it."""
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (a rejected draft)."""
+
+    def is_terminated(self) -> bool:
+        """The grammar accepted a stop token: the output is complete."""
+
+
+@runtime_checkable
+class GrammarBackend(Protocol):
+    """Compiles a request's :class:`~tokenloom.core.sampling_params.Constraint` against the
+    model's vocabulary and gives each sequence a :class:`GrammarMatcher` (see
+    ``register_grammars``). ``compile`` may be slow: the engine calls it on a worker thread
+    and caches the result per constraint; it raises ``ClientError`` naming the request
+    parameter (``response_format``, ``guided_regex``, ...) for a constraint it cannot compile."""
+
+    name: str
+
+    def compile(self, constraint: Any) -> Any:
+        """The compiled grammar of ``constraint`` (opaque to the engine)."""
+
+    def matcher(self, compiled: Any) -> GrammarMatcher:
+        """A fresh matcher at the start of ``compiled``."""

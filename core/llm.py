@@ -50,6 +50,10 @@ class LLM:
         return self.run(self._run(inputs, list(params)))
 
     async def _run(self, inputs: list[dict], params: list[SamplingParams]) -> list[Finished]:
+        for sp in params:  # constraints compile first (off the event loop): one that fails raises here
+            if sp.constraint is not None:
+                sp.constraint.validate()
+                await self.engine.wait_for_grammar(sp.constraint)
         streams = []
         try:
             for inp, sp in zip(inputs, params, strict=True):

@@ -17,7 +17,8 @@ from tokenloom.core.errors import ConfigError, UnknownPluginError
 
 log = structlog.get_logger("tokenloom.plugins")
 
-ROLES = ("scheduler", "cache_manager", "quantizer", "decoder", "backend", "model_format", "architecture", "frontend")
+ROLES = ("scheduler", "cache_manager", "quantizer", "decoder", "backend", "model_format", "architecture", "frontend",
+         "grammar")
 _HOOK_OF_ROLE = {
     "scheduler": "register_schedulers",
     "cache_manager": "register_cache_managers",
@@ -27,6 +28,7 @@ _HOOK_OF_ROLE = {
     "model_format": "register_model_formats",
     "architecture": "register_models",
     "frontend": "register_frontends",
+    "grammar": "register_grammars",
 }
 ROLE_LABELS = {role: role.replace("_", " ") for role in ROLES} | {"architecture": "model architecture"}
 
@@ -51,6 +53,7 @@ BUILTIN_PLUGINS = (
     "tokenloom.backends.torch_backend",
     "tokenloom.backends.triton_backend",
     "tokenloom.protocols.frontends",
+    "tokenloom.plugins.grammars",
 )
 
 

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from tokenloom.core.grammar import GrammarState, apply_grammar
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.core.sequence import Sequence
 
@@ -38,6 +39,7 @@ class SamplingRow(NamedTuple):
     token_ids: list[int]
     num_prompt_tokens: int
     seq_id: int
+    grammar: GrammarState | None = None  # structured outputs: the sequence's matcher (core/grammar.py)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -46,7 +48,8 @@ class SamplingRow(NamedTuple):
     @classmethod
     def of(cls, seq: Sequence, drafts: list[int] | None = None) -> SamplingRow:
         """``seq``'s row after ``drafts`` (none: its own tokens, not copied)."""
-        return cls(seq.params, seq.token_ids + drafts if drafts else seq.token_ids, seq.num_prompt_tokens, seq.seq_id)
+        return cls(seq.params, seq.token_ids + drafts if drafts else seq.token_ids, seq.num_prompt_tokens, seq.seq_id,
+                   seq.grammar)
 
 
 class Sampler:
@@ -89,7 +92,9 @@ class Sampler:
         return token_list, logprobs
 
     def apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """What comes before temperature and the filters, in this order: ``logit_bias`` (added
+        """What comes before temperature and the filters, in this order: the grammar's mask
+        (structured outputs: tokens the row's grammar forbids, after the row's drafts, become
+        -inf; core/grammar.py), ``logit_bias`` (added
         first, as OpenAI and vLLM do; -100 bans a token: -inf), then repetition, presence and
         frequency penalties, each row over its own history. The same tensor back when no
         row has any of them. Every row the sampler sees goes through here (verification
@@ -97,10 +102,16 @@ class Sampler:
         biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
         penalised = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0
                      or r.params.presence_penalty or r.params.frequency_penalty]
-        if not penalised and not biased:
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if not penalised and not biased and not constrained:
             return logits
         logits = logits.clone()
         V = logits.shape[-1]
+        for i in constrained:
+            r = rows[i]
+            g = r.grammar
+            assert g is not None
+            apply_grammar(logits, i, g, r.token_ids[r.num_prompt_tokens + g.num_accepted:])
         for i in biased:
             ids, bias = _bias_tensors(rows[i].params.logit_bias or {}, V, logits.device, logits.dtype)
             logits[i, ids] += bias

@@ -34,6 +34,97 @@ MAX_SLO_TARGET_MS = 3_600_000.0  # an hour: a latency target beyond it is no tar
 SLO_CLASS_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
+CONSTRAINT_KINDS = ("json", "json_schema", "regex", "grammar", "choice")
+MAX_CONSTRAINT_CHARS = 65_536  # a regex, an EBNF grammar or a JSON schema (as JSON text)
+MAX_CHOICES = 256
+MAX_SCHEMA_DEPTH = 32
+# JSON-schema keywords the grammar backend enforces, or that only annotate (title, ...):
+# anything else (not, if/then/else, uniqueItems, contains, ...) would be silently ignored by
+# xgrammar, so a schema that uses one is refused up front, naming the keyword.
+SCHEMA_KEYWORDS = frozenset({
+    "type", "properties", "required", "additionalProperties", "items", "prefixItems", "enum", "const",
+    "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions", "minItems", "maxItems", "minLength", "maxLength",
+    "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+    "minProperties", "maxProperties", "patternProperties", "propertyNames", "unevaluatedProperties",
+    "unevaluatedItems", "additionalItems", "title", "description", "default", "examples", "$schema", "$id",
+    "$comment", "deprecated", "readOnly", "writeOnly",
+})
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> subschema
+_SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")  # [subschema]
+_SCHEMA_ONE = ("items", "additionalProperties", "propertyNames", "unevaluatedProperties", "unevaluatedItems",
+               "additionalItems")  # a subschema (or a bool)
+
+
+class Constraint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A structured-output constraint (``SamplingParams.constraint``): the output must match it.
+
+    ``kind``: ``json`` (any JSON value; ``value`` unset), ``json_schema`` (``value`` a JSON
+    schema object), ``regex`` (``value`` a regular expression), ``grammar`` (``value`` an
+    EBNF grammar in xgrammar's dialect, rule ``root`` first), ``choice`` (``value`` a list of
+    strings: the output is exactly one of them). ``param`` names the request parameter it
+    came from (``response_format``, ``guided_regex``, ...): errors name it."""
+
+    kind: str
+    value: str | list[str] | dict[str, Any] | None = None
+    param: str = "constraint"
+
+    def validate(self) -> None:
+        """Raise :class:`ClientError` naming ``param`` for a malformed constraint or a JSON-schema
+        keyword the backend does not enforce (compiling catches the rest)."""
+        p = self.param
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ClientError.bad_value(p, self.kind, f"a constraint kind: {', '.join(CONSTRAINT_KINDS)}")
+        v = self.value
+        if self.kind == "json":
+            if v is not None:
+                raise ClientError(f"{p}: a 'json' constraint takes no value", param=p)
+        elif self.kind in ("regex", "grammar"):
+            if not isinstance(v, str) or not 0 < len(v) <= MAX_CONSTRAINT_CHARS:
+                raise ClientError.bad_value(p, v, f"a non-empty string of at most {MAX_CONSTRAINT_CHARS} characters")
+        elif self.kind == "choice":
+            if not isinstance(v, list) or not 0 < len(v) <= MAX_CHOICES or \
+                    not all(isinstance(c, str) and 0 < len(c) <= MAX_STOP_STRING_LEN for c in v):
+                raise ClientError.bad_value(p, v, f"a list of 1 to {MAX_CHOICES} non-empty strings "
+                                            f"of at most {MAX_STOP_STRING_LEN} characters")
+        else:  # json_schema
+            if not isinstance(v, dict):
+                raise ClientError.bad_value(p, v, "a JSON schema object")
+            if len(msgspec.json.encode(v)) > MAX_CONSTRAINT_CHARS:
+                raise ClientError(f"{p}: the JSON schema is longer than {MAX_CONSTRAINT_CHARS} characters", param=p)
+            check_schema(v, p)
+
+
+def check_schema(schema: object, param: str, depth: int = 0) -> None:
+    """Walk a JSON schema; raise :class:`ClientError` naming ``param`` and the first keyword
+    not in :data:`SCHEMA_KEYWORDS` (its path in the schema too)."""
+    _walk_schema(schema, param, "#", depth)
+
+
+def _walk_schema(schema: object, param: str, path: str, depth: int) -> None:
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise ClientError(f"{param}: the JSON schema at {path} must be an object or a boolean", param=param)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise ClientError(f"{param}: the JSON schema nests deeper than {MAX_SCHEMA_DEPTH}", param=param)
+    for key, sub in schema.items():
+        if key not in SCHEMA_KEYWORDS:
+            raise ClientError(f"{param}: JSON schema keyword {key!r} (at {path}) is not supported", param=param,
+                              value=key)
+        if key in _SCHEMA_MAPS:
+            if not isinstance(sub, dict):
+                raise ClientError(f"{param}: {key!r} at {path} must be an object", param=param)
+            for name, s in sub.items():
+                _walk_schema(s, param, f"{path}/{key}/{name}", depth + 1)
+        elif key in _SCHEMA_LISTS:
+            if not isinstance(sub, list):
+                raise ClientError(f"{param}: {key!r} at {path} must be an array", param=param)
+            for i, s in enumerate(sub):
+                _walk_schema(s, param, f"{path}/{key}/{i}", depth + 1)
+        elif key in _SCHEMA_ONE:
+            _walk_schema(sub, param, f"{path}/{key}", depth + 1)
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Sampling knobs, named as in vLLM / the OpenAI API.
 
@@ -60,6 +151,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ``prompt_logprobs=k`` returns each prompt token's log-probability given the tokens
     before it (``None`` for the first) with the top ``k`` alternatives, from one extra
     prefill of the prompt (vLLM's name); only then may ``max_tokens`` be 0 (scoring alone).
+    ``constraint`` (a :class:`Constraint`: any JSON, a JSON schema, a regex, an EBNF grammar
+    or a choice of strings) restricts every sampled token to those the grammar allows at
+    that point (tokens it forbids get probability 0 before every other rule, speculative
+    verification rows included); the request waits for its grammar to compile before it
+    is scheduled, and finishes (``stop``) when the grammar is complete and the model ends.
     ``slo_class`` names the request's service class (free names of letters, digits, ``_``,
     ``-`` and ``.``, e.g. ``interactive`` or ``batch``); ``ttft_ms`` and ``tpot_ms`` are its latency targets: time to the first token
     and mean time per output token after it, in milliseconds. A target left ``None`` comes
@@ -89,6 +185,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     logit_bias: dict[int, float] | None = None
     n: int = 1
     prompt_logprobs: int | None = None
+    constraint: Constraint | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
@@ -161,6 +258,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ClientError.bad_value("n", self.n, f"in [1, {MAX_N}]")
         if self.logit_bias is not None:
             _check_logit_bias(self.logit_bias, vocab_size)
+        if self.constraint is not None:
+            if not isinstance(self.constraint, Constraint):
+                raise ClientError.bad_value("constraint", self.constraint, "a Constraint")
+            self.constraint.validate()
         if self.timeout_s is not None:
             _finite("timeout_s", self.timeout_s)
             if not 0.0 < self.timeout_s <= MAX_TIMEOUT_S:

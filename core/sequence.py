@@ -6,6 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenloom.core.sampling_params import SamplingParams
 
@@ -67,6 +68,10 @@ class Sequence:
     # in the step that samples its first token, each samples its own first token from the
     # same logits row, then forks this sequence's KV blocks (AsyncEngine._fork_samples).
     forks: list[Sequence] = field(default_factory=list)
+    # Structured outputs (params.constraint): a core.grammar.GrammarState, set once the
+    # request's grammar has compiled (before the sequence is scheduled); it has accepted
+    # exactly the sequence's output tokens.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -2,7 +2,7 @@
 response shapes (chat.completion, text_completion, their stream chunks, errors).
 
 Fields OpenAI defines that change what is generated and that tokenloom cannot honour
-(``tools``, a JSON ``response_format``, ``suffix``, non-text content parts) are refused
+(``tools``, ``suffix``, non-text content parts) are refused
 with a 400 naming the field; fields that only describe the caller (``user``, ``metadata``,
 ``store``, ...) and unknown fields are ignored, as OpenAI's own server and vLLM ignore what
 they do not use. ``n`` (up to 128) samples the prompt n times, the prompt prefilled once
@@ -27,7 +27,7 @@ from typing import Annotated, Any
 import msgspec
 
 from tokenloom.core.errors import ClientError, quoted
-from tokenloom.core.sampling_params import MAX_N, SamplingParams
+from tokenloom.core.sampling_params import MAX_N, Constraint, SamplingParams
 from tokenloom.protocols.websocket.messages import MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_TOKEN_ID
 
 Text = Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)]
@@ -77,6 +77,11 @@ class _Sampling(msgspec.Struct, kw_only=True):
     slo_class: str | None = None
     ttft_ms: float | None = None
     tpot_ms: float | None = None
+    # structured outputs, as extensions (vLLM's names); chat also takes OpenAI's response_format
+    guided_json: dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -120,14 +125,49 @@ def _param_of(text: str) -> str | None:
     return None
 
 
+def constraint(req: _Sampling) -> Constraint | None:
+    """The request's structured-output constraint: chat's ``response_format`` (``text``,
+    ``json_object``, ``json_schema`` with its ``schema``; ``strict`` is accepted, and the
+    schema is always enforced), or one of ``guided_json`` / ``guided_regex`` /
+    ``guided_choice`` / ``guided_grammar``; two at once are refused naming the second."""
+    found: list[Constraint] = []
+    rf = getattr(req, "response_format", None)
+    if rf is not None:
+        kind = rf.get("type", "text")
+        if kind == "json_object":
+            found.append(Constraint(kind="json", param="response_format"))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ClientError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
+                                  param="response_format")
+            if "strict" in spec and not isinstance(spec["strict"], bool | None):
+                raise ClientError.bad_value("response_format", spec["strict"], "strict: a boolean")
+            found.append(Constraint(kind="json_schema", value=spec.get("schema", {}), param="response_format"))
+        elif kind != "text":
+            raise ClientError(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                              param="response_format", value=kind)
+    for name, kind, value in (("guided_json", "json_schema", req.guided_json), ("guided_regex", "regex", req.guided_regex),
+                              ("guided_choice", "choice", req.guided_choice),
+                              ("guided_grammar", "grammar", req.guided_grammar)):
+        if value is not None:
+            found.append(Constraint(kind=kind, value=value, param=name))
+    if len(found) > 1:
+        raise ClientError(f"{found[1].param}: only one structured-output constraint per request "
+                          f"(also given: {found[0].param})", param=found[1].param)
+    if found:
+        found[0].validate()
+        return found[0]
+    return None
+
+
 def _refuse_unsupported(req: _Sampling) -> None:
+    constraint(req)  # a malformed one, or a JSON-schema keyword that would be ignored: a 400 now
     if req.n is not None and not 1 <= req.n <= MAX_N:
         raise ClientError.bad_value("n", req.n, f"in [1, {MAX_N}]")
     if isinstance(req, ChatCompletionRequest):
         if req.tools:
             raise ClientError("tools (function calling) are not supported", param="tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise ClientError("only response_format {'type': 'text'} is supported", param="response_format")
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ClientError.bad_value("top_logprobs", req.top_logprobs, f"in [0, {MAX_TOP_LOGPROBS}]")
         if req.top_logprobs is not None and not req.logprobs:
@@ -218,7 +258,8 @@ def sampling_params(req: _Sampling, num_logprobs: int | None) -> tuple[SamplingP
         prompt_logprobs = req.logprobs or 0
     params = SamplingParams(**fields, max_tokens=max_tokens if max_tokens is not None else 1, stop=stop,
                             stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-                            logprobs=num_logprobs, logit_bias=logit_bias(req), n=n, prompt_logprobs=prompt_logprobs)
+                            logprobs=num_logprobs, logit_bias=logit_bias(req), n=n, prompt_logprobs=prompt_logprobs,
+                            constraint=constraint(req))
     return params, max_tokens is None
 
 

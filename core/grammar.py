@@ -1,0 +1,83 @@
+"""Structured outputs on the engine's side: one sequence's grammar state and the mask it
+puts on a row of logits.
+
+The grammar role (``register_grammars``, core/interfaces.py ``GrammarBackend``) compiles a
+request's :class:`~tokenloom.core.sampling_params.Constraint`; each sequence holds a
+:class:`GrammarState` around its backend matcher. The matcher holds exactly the sequence's
+committed output tokens (``AsyncEngine._take_tokens`` accepts each one as it is appended);
+preemption by recompute keeps a sequence's tokens, so the matcher stays where it was.
+
+The mask applies in :meth:`~tokenloom.core.sampler.Sampler.apply_penalties`, before the
+logit bias and every other rule, on every row the sampler sees. A speculative verification
+row that has seen drafts gets the mask of the grammar *after* those drafts: the matcher is
+advanced through them, the bitmask filled, and the drafts rolled back. A draft the grammar
+forbids therefore has target probability 0 at its position and is always rejected, so
+verification stays exact with respect to the masked target distribution (and the rows past
+such a draft, whose mask is left open, are never used).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from tokenloom.core.interfaces import GrammarMatcher
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+class GrammarState:
+    """A sequence's matcher and how many of its output tokens it has accepted."""
+
+    __slots__ = ("matcher", "num_accepted", "_bitmask", "vocab_size")
+
+    def __init__(self, matcher: GrammarMatcher, vocab_size: int):
+        self.matcher = matcher
+        self.num_accepted = 0
+        self.vocab_size = vocab_size
+        self._bitmask = torch.zeros((1, (vocab_size + 31) // 32), dtype=torch.int32)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one committed output token; False when the grammar forbids it (a stop
+        token the grammar does not list, e.g. a ``stop_token_ids`` entry): the matcher is
+        then left as it was."""
+        ok = self.matcher.accept_token(token_id)
+        self.num_accepted += ok
+        return ok
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def allowed(self, drafts: list[int] = ()) -> torch.Tensor | None:  # type: ignore[assignment]
+        """``[vocab_size]`` bool: the tokens allowed after the committed tokens and ``drafts``;
+        ``None`` (no restriction) where a draft is itself forbidden (that row is never used:
+        verification rejects the draft before it)."""
+        m = self.matcher
+        advanced = 0
+        for d in drafts:
+            if not m.accept_token(d):
+                break
+            advanced += 1
+        try:
+            if advanced < len(drafts):
+                return None
+            m.fill_bitmask(self._bitmask, 0)
+        finally:
+            if advanced:
+                m.rollback(advanced)
+        bits = (self._bitmask[0].unsqueeze(-1) >> _SHIFTS) & 1
+        return bits.flatten()[:self.vocab_size].bool()
+
+
+def apply_grammar(logits: torch.Tensor, i: int, state: GrammarState, drafts: list[int]) -> None:
+    """Row ``i`` of ``logits`` (in place): tokens the grammar forbids after ``drafts`` become -inf."""
+    allowed = state.allowed(drafts)
+    if allowed is None:
+        return
+    V = logits.shape[-1]
+    if allowed.shape[0] < V:  # logits wider than the grammar's vocabulary: the extra ids are forbidden
+        allowed = torch.cat([allowed, allowed.new_zeros(V - allowed.shape[0])])
+    logits[i].masked_fill_(~allowed[:V].to(logits.device), float("-inf"))
