@@ -171,7 +171,7 @@ def test_completions_whole_streamed_and_logprobs(client):
     ({"top_p": 0}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_completion_tokens": -3}, "max_completion_tokens"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
     ({"frequency_penalty": 9}, "frequency_penalty"),
     ({"seed": -1}, "seed"),
     ({"top_logprobs": 3}, "top_logprobs"),
@@ -292,8 +292,9 @@ def test_bad_http_requests_are_4xx_in_openai_shape_and_serving_goes_on(client, s
 @pytest.mark.parametrize("body, param", [
     (b'{"model": "tiny", "prompt": ["a", "b"]}', "prompt"),
     (b'{"model": "tiny", "prompt": [1, -2]}', "prompt"),
-    (b'{"model": "tiny", "prompt": "x", "echo": true}', "echo"),
-    (b'{"model": "tiny", "prompt": "x", "best_of": 3}', "best_of"),
+    (b'{"model": "tiny", "prompt": "x", "echo": "yes"}', "echo"),
+    (b'{"model": "tiny", "prompt": "x", "n": 3, "best_of": 2}', "best_of"),
+    (b'{"model": "tiny", "prompt": "x", "suffix": "y"}', "suffix"),
     (b'{"model": "tiny", "prompt": "x", "logprobs": 99}', "logprobs"),
 ])
 def test_bad_completions_requests_name_the_field(served, body, param):
