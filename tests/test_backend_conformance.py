@@ -23,6 +23,10 @@ from conftest import tiny_engine_kwargs  # noqa: E402
 needs_triton = pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None,
                                   reason="the triton package is not installed (pip install 'tokenloom[triton]')")
 
+# the kits' tensors are small: one torch thread (conftest.one_thread; the C++ ops' parallel
+# splits are tested on two threads in test_cpu_kernels and test_capture)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ONE_CASE = dict(cases=[BackendCase(6, 2, 64, 16, (1, 19), ((5, 5), (4, 23)))], dtypes=[torch.float32],
                 kv_cache_dtypes=["auto"])
 
