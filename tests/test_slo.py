@@ -20,6 +20,9 @@ from tokenloom.plugins.schedulers.continuous import ContinuousOptions, Continuou
 from tokenloom.plugins.schedulers.cost_model import StepCostModel, StepWork
 from tokenloom.plugins.schedulers.slo import SloClass, SloOptions, SloScheduler
 
+# tiny-model engines: one torch thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 BEST_EFFORT = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 INTERACTIVE = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, slo_class="interactive")
 
