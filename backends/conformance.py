@@ -19,8 +19,9 @@ dtype (``auto``, ``fp8``, ``int8``):
 6. ``pack_linear(spec).apply(x)`` at 1, 3 and 17 rows for a dense weight, 4-bit
    (group-wise and act-order), 8-bit and fp8 specs, against the dense matmul of the
    dequantised weight;
-7. ``capture_decode``: a two-layer LLaMA (random weights, head dim 64, GQA 2) on the
-   backend under test prefills three prompts, then three decode steps each run by its
+7. ``capture_decode``: a two-layer LLaMA (random weights, head dim 64, GQA 2), a Qwen2-like
+   one (q/k/v biases) and a Qwen3-like one (per-head q/k RMSNorm, head dim 128) on the
+   backend under test each prefill three prompts, then three decode steps each run by the
    captured step and by the same model op by op (skipped when it captures nothing);
 8. ``kv_bytes_per_token`` (what the engine sizes its KV pool with) against the bytes of
    the tensors a pool from ``allocate_kv_cache`` really holds, per dtype and KV-cache dtype;
@@ -462,12 +463,24 @@ class _Kit:
             self.check("rope", where, got, want, dtype)
 
     def captured_step(self, dtype: torch.dtype) -> None:
+        """The captured step of three two-layer models against the same model op by op: a
+        LLaMA (head dim 64, GQA 2), a Qwen2 (its q/k/v bias) and a Qwen3 (per-head q/k
+        RMSNorm, head dim 128: q wider than the hidden size)."""
         from tokenloom.core.models.config import ModelConfig
+
+        common = dict(vocab_size=97, hidden_size=256, intermediate_size=384, num_layers=2, num_heads=4,
+                      num_kv_heads=2, max_position_embeddings=256)
+        for label, cfg in (("two-layer LLaMA, head dim 64, GQA 2", ModelConfig(head_dim=64, **common)),
+                           ("two-layer Qwen2 (q/k/v bias), head dim 64, GQA 2",
+                            ModelConfig(head_dim=64, architecture="qwen2", attention_bias=True, **common)),
+                           ("two-layer Qwen3 (q/k norm), head dim 128, GQA 2",
+                            ModelConfig(head_dim=128, architecture="qwen3", qk_norm=True, **common))):
+            self._captured_model(label, cfg, dtype)
+
+    def _captured_model(self, label: str, cfg, dtype: torch.dtype) -> None:
         from tokenloom.core.models.registry import default_registry
         from tokenloom.core.parallel import TensorParallel
 
-        cfg = ModelConfig(vocab_size=97, hidden_size=256, intermediate_size=384, num_layers=2, num_heads=4,
-                          num_kv_heads=2, head_dim=64, max_position_embeddings=256)
         d, f, q, kv, V = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size, cfg.vocab_size
         shapes = {"model.embed_tokens.weight": (V, d), "model.norm.weight": (d,), "lm_head.weight": (V, d)}
         for i in range(cfg.num_layers):
@@ -477,10 +490,17 @@ class _Kit:
                            p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, q),
                            p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
                            p + "mlp.down_proj.weight": (d, f)})
+            if cfg.qk_norm:
+                shapes.update({p + "self_attn.q_norm.weight": (cfg.head_dim,),
+                               p + "self_attn.k_norm.weight": (cfg.head_dim,)})
         weights = {n: (1 + 0.1 * self.randn(*shape)) if len(shape) == 1 else 0.05 * self.randn(*shape)
                    for n, shape in shapes.items()}
-        model = default_registry().get("llama").build(cfg, dtype, self.cand, cfg.max_position_embeddings,
-                                                      TensorParallel()).to(self.device)
+        if cfg.attention_bias:  # biases of the size of the projections' outputs, so they bite
+            for i in range(cfg.num_layers):
+                for part, rows in (("q", q), ("k", kv), ("v", kv)):
+                    weights[f"model.layers.{i}.self_attn.{part}_proj.bias"] = 0.5 * self.randn(rows)
+        model = default_registry().get(cfg.architecture).build(cfg, dtype, self.cand, cfg.max_position_embeddings,
+                                                               TensorParallel()).to(self.device)
         model.load_weights(weights, _DenseWeights())
         if not model.capture():
             return
@@ -504,7 +524,7 @@ class _Kit:
             row += n
         positions = torch.tensor([p for n in lens for p in range(n)], device=self.device)
         model(ids(row), positions, pools, self.cand.prepare(inp))
-        where = f"two-layer LLaMA, head dim 64, GQA 2, contexts {lens}; dtype={str(dtype).removeprefix('torch.')}"
+        where = f"{label}, contexts {lens}; dtype={str(dtype).removeprefix('torch.')}"
         for _ in range(3):
             tokens, positions = ids(len(lens)), torch.tensor(lens, device=self.device)
             inp = AttentionInputs(slot_mapping=torch.tensor([slot(i, n) for i, n in enumerate(lens)], device=self.device),

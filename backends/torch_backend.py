@@ -531,19 +531,22 @@ class TorchBackend:
     def capture_decode(self, model: DecodeModel) -> CppDecodeStep | None:
         """On CPU with the C++ ops built: the whole decode step in one C++ call
         (kernels/cpu_ops.py ``DecodeStep``), the same ops in the same order as the model's
-        Python, so the same output. None where a weight's kernel has no C++ mirror."""
+        Python, so the same output; a layer's q/k/v bias (Qwen2) and per-head q/k RMSNorm
+        (Qwen3) included. None where a weight's kernel has no C++ mirror."""
         if self.fused_decode is None or self.batch_invariant:  # (the mode: logged at start-up)
             return None
         ops = self.fused_decode
         layers = []
         for layer in model.layers:
             linears = [step_linear(lw, ops) for lw in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-            if any(lin is None for lin in linears):
+            if any(lin is None for lin in linears) or (layer.q_norm is None) != (layer.k_norm is None):
                 return None
             layers.append(linears)
         step = ops.DecodeStep(model.embed, model.cos, model.sin, [lyr.input_norm for lyr in model.layers],
                               [lyr.post_norm for lyr in model.layers], *(list(col) for col in zip(*layers, strict=True)),
-                              model.num_heads, model.rms_norm_eps, model.head_dim**-0.5, model.dtype)
+                              [lyr.qkv_bias for lyr in model.layers], [lyr.q_norm for lyr in model.layers],
+                              [lyr.k_norm for lyr in model.layers], model.num_heads, model.num_kv_heads,
+                              model.head_dim, model.rms_norm_eps, model.head_dim**-0.5, model.dtype)
         return CppDecodeStep(step, model.dtype)
 
 

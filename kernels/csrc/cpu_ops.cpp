@@ -14,8 +14,10 @@
 #include <vector>
 
 // The whole decode step of a LLaMA model in one call: the same ops, in the same order and
-// dtypes, as LlamaModel.forward runs them from Python for a pure decode batch, so the
-// output is bit-identical; what goes is Python's ~10 us per op (about 250 ops a step).
+// dtypes, as DecoderModel.forward (plugins/models/decoder.py) runs them from Python for a
+// pure decode batch, so the output is bit-identical; what goes is Python's ~10 us per op
+// (about 250 ops a step). Qwen2's q/k/v bias and Qwen3's per-head q/k RMSNorm are mirrored
+// too (DecodeStep::project_qkv), by the very ATen ops DecoderLayer.attend calls.
 
 // One matmul as the backend packed it (backends/torch_linear.py), mirrored kind by kind.
 struct StepLinear {
@@ -61,7 +63,10 @@ struct DecodeStep {
   at::Tensor embed, cos, sin;  // embed [V, d] in the model dtype; cos, sin [max_len, D] float32
   std::vector<at::Tensor> input_norm, post_norm;
   std::vector<std::shared_ptr<StepLinear>> qkv, o, gate_up, down;
-  int64_t num_heads;
+  // per layer, absent (nullopt) where the model has none: the q/k/v bias [q + 2 kv] in the
+  // model dtype; the per-head q and k RMSNorm weights [head_dim] float32 (both or neither)
+  std::vector<c10::optional<at::Tensor>> qkv_bias, q_norm, k_norm;
+  int64_t num_heads, num_kv_heads, head_dim;
   double eps, scale;
   at::ScalarType dtype;
   std::vector<at::Tensor> k_caches, v_caches;
@@ -69,20 +74,51 @@ struct DecodeStep {
   DecodeStep(at::Tensor embed, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> input_norm,
              std::vector<at::Tensor> post_norm, std::vector<std::shared_ptr<StepLinear>> qkv,
              std::vector<std::shared_ptr<StepLinear>> o, std::vector<std::shared_ptr<StepLinear>> gate_up,
-             std::vector<std::shared_ptr<StepLinear>> down, int64_t num_heads, double eps, double scale,
+             std::vector<std::shared_ptr<StepLinear>> down, std::vector<c10::optional<at::Tensor>> qkv_bias,
+             std::vector<c10::optional<at::Tensor>> q_norm, std::vector<c10::optional<at::Tensor>> k_norm,
+             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
              at::ScalarType dtype)
       : embed(std::move(embed)), cos(std::move(cos)), sin(std::move(sin)), input_norm(std::move(input_norm)),
         post_norm(std::move(post_norm)), qkv(std::move(qkv)), o(std::move(o)), gate_up(std::move(gate_up)),
-        down(std::move(down)), num_heads(num_heads), eps(eps), scale(scale), dtype(dtype) {
+        down(std::move(down)), qkv_bias(std::move(qkv_bias)), q_norm(std::move(q_norm)), k_norm(std::move(k_norm)),
+        num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim), eps(eps), scale(scale), dtype(dtype) {
     const size_t n = this->input_norm.size();
     TORCH_CHECK(this->post_norm.size() == n && this->qkv.size() == n && this->o.size() == n &&
-                this->gate_up.size() == n && this->down.size() == n, "one of each weight per layer");
+                this->gate_up.size() == n && this->down.size() == n && this->qkv_bias.size() == n &&
+                this->q_norm.size() == n && this->k_norm.size() == n, "one of each weight per layer");
+    const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
+    for (size_t l = 0; l < n; ++l) {
+      const auto& b = this->qkv_bias[l];
+      TORCH_CHECK(!b || (b->dim() == 1 && b->size(0) == width), "qkv_bias: [(heads + 2 kv_heads) head_dim]");
+      TORCH_CHECK(this->q_norm[l].has_value() == this->k_norm[l].has_value(), "q_norm and k_norm: both or neither");
+      for (const auto* w : {&this->q_norm[l], &this->k_norm[l]})
+        TORCH_CHECK(!*w || ((*w)->dim() == 1 && (*w)->size(0) == head_dim), "q_norm, k_norm: [head_dim]");
+    }
   }
 
   void bind(std::vector<at::Tensor> k, std::vector<at::Tensor> v) {
     TORCH_CHECK(k.size() == input_norm.size() && v.size() == input_norm.size(), "one K and V pool per layer");
     k_caches = std::move(k);
     v_caches = std::move(v);
+  }
+
+  // Layer l's fused q/k/v of the normed input x [T, d], as DecoderLayer.attend makes it before
+  // the fused attention: the projection; + the bias (in the model dtype); each head of q and k
+  // RMS-normed in float32 (x.float() then F.rms_norm: at::rms_norm, the op itself, so the
+  // rounding is its own), concatenated with v in float32 and cast back to the model dtype.
+  at::Tensor project_qkv(size_t l, const at::Tensor& x) const {
+    at::Tensor out = qkv[l]->apply(x);
+    if (qkv_bias[l]) out = at::add(out, *qkv_bias[l]);
+    if (q_norm[l]) {
+      const int64_t T = out.size(0), q = num_heads * head_dim, kv = num_kv_heads * head_dim;
+      const auto parts = out.split_with_sizes({q, kv, kv}, -1);
+      const at::Tensor qn = at::rms_norm(parts[0].reshape({T, num_heads, head_dim}).to(at::kFloat), {head_dim},
+                                         *q_norm[l], eps);
+      const at::Tensor kn = at::rms_norm(parts[1].reshape({T, num_kv_heads, head_dim}).to(at::kFloat), {head_dim},
+                                         *k_norm[l], eps);
+      out = at::cat({qn.reshape({T, -1}), kn.reshape({T, -1}), parts[2].to(at::kFloat)}, -1).to(dtype);
+    }
+    return out;
   }
 
   // ids, positions, slots [B] int64; tables [B, MB]; lens [B] -> hidden [B, d] float32 (before the final norm)
@@ -97,7 +133,7 @@ struct DecodeStep {
     c10::optional<at::Tensor> delta;
     for (size_t l = 0; l < input_norm.size(); ++l) {
       at::Tensor x = add_rms_norm(h, delta, input_norm[l], eps, dtype);
-      const at::Tensor attn = decode_layer_attention(qkv[l]->apply(x), c, s, k_caches[l], v_caches[l], slots,
+      const at::Tensor attn = decode_layer_attention(project_qkv(l, x), c, s, k_caches[l], v_caches[l], slots,
                                                      tables, lens, num_heads, scale);
       x = add_rms_norm(h, o[l]->apply(attn), post_norm[l], eps, dtype);
       const auto gu = gate_up[l]->apply(x).chunk(2, -1);
@@ -132,8 +168,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeStep>(m, "DecodeStep")
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>,
                     std::vector<std::shared_ptr<StepLinear>>, std::vector<std::shared_ptr<StepLinear>>,
-                    std::vector<std::shared_ptr<StepLinear>>, std::vector<std::shared_ptr<StepLinear>>, int64_t,
-                    double, double, at::ScalarType>())
+                    std::vector<std::shared_ptr<StepLinear>>, std::vector<std::shared_ptr<StepLinear>>,
+                    std::vector<c10::optional<at::Tensor>>, std::vector<c10::optional<at::Tensor>>,
+                    std::vector<c10::optional<at::Tensor>>, int64_t, int64_t, int64_t, double, double,
+                    at::ScalarType>())
       .def("bind", &DecodeStep::bind)
       .def("run", &DecodeStep::run, py::call_guard<py::gil_scoped_release>());
 }

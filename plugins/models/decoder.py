@@ -39,10 +39,12 @@ MLPFactory = Callable[..., nn.Module]
 
 
 def fast_path_blockers(cfg: ModelConfig) -> list[str]:
-    """What in ``cfg`` the backends' fused decode attention and captured step do not
-    implement: the model steps aside from them for those (empty: LLaMA's own shape)."""
-    checks = (("attention_bias", cfg.attention_bias), ("qk_norm", cfg.qk_norm),
-              ("sliding_window", any(cfg.window(i) for i in range(cfg.num_layers))),
+    """What in ``cfg`` the backends' captured step does not implement: the model steps aside
+    from it for those (empty: LLaMA's shape, or Qwen2's / Qwen3's). The q/k/v bias and the
+    per-head q/k norms are not listed: they travel in ``DecodeLayer`` (``qkv_bias``,
+    ``q_norm``, ``k_norm``), and a backend whose captured step lacks them returns None from
+    ``capture_decode`` (the torch backend's C++ step has them)."""
+    checks = (("sliding_window", any(cfg.window(i) for i in range(cfg.num_layers))),
               ("attn_logit_softcap", cfg.attn_logit_softcap is not None),
               ("sandwich_norms", cfg.sandwich_norms), ("hidden_act", cfg.hidden_act != "silu"),
               ("embedding_multiplier", cfg.embedding_multiplier != 1.0),
@@ -240,7 +242,8 @@ class DecoderModel(nn.Module):
 
     def capture(self) -> bool:
         """Ask the backend for a captured decode step over the loaded weights (one rank only:
-        the captured step has no all-reduce; LLaMA's structure only). True when it gave one."""
+        the captured step has no all-reduce; LLaMA's structure, with Qwen2's q/k/v bias and
+        Qwen3's q/k norms). True when it gave one."""
         if self.tp.enabled:
             return False
         blockers = fast_path_blockers(self.cfg)
@@ -251,7 +254,9 @@ class DecoderModel(nn.Module):
                      because=blockers)
             return False
         cfg = self.decoder_layers[0].cfg
-        layers = tuple(DecodeLayer(lyr.input_norm, lyr.qkv, lyr.o, lyr.post_norm, lyr.mlp.gate_up, lyr.mlp.down)
+        layers = tuple(DecodeLayer(lyr.input_norm, lyr.qkv, lyr.o, lyr.post_norm, lyr.mlp.gate_up, lyr.mlp.down,
+                                   qkv_bias=lyr.qkv_bias, q_norm=lyr.q_norm if cfg.qk_norm else None,
+                                   k_norm=lyr.k_norm if cfg.qk_norm else None)
                        for lyr in self.decoder_layers)
         self.captured = self.backend.capture_decode(DecodeModel(
             self.embed, self.cos, self.sin, layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
