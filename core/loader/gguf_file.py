@@ -3,7 +3,8 @@
 Tensors of the types tokenloom computes with natively (Q4_0, Q4_1, Q8_0) come back raw, as
 :class:`GGUFTensor`: the `gguf` quantizer turns them into integer codes with scales and zero
 points without ever going through floats, the `none` quantizer dequantises them. Every other
-type is dequantised here with the `gguf` package.
+type is dequantised here with the `gguf` package. A 3-D stack of experts (llama.cpp's
+``ffn_*_exps``) comes back as one tensor per expert, under the family's per-expert names.
 """
 
 from __future__ import annotations
@@ -114,6 +115,26 @@ def model_config(meta: dict, models: ModelRegistry | None = None) -> ModelConfig
     return models.for_gguf(meta.get("general.architecture", "?")).config_from_gguf(meta)
 
 
+def _split_experts(t, name: str, qtype: str, dtype: torch.dtype, weights: dict) -> None:
+    """A 3-D stacked-experts tensor ([experts, out, in] in numpy order) as one 2-D tensor per
+    expert under ``name`` with ``{expert}`` filled in. A native quantised type stays raw: an
+    expert's rows are whole rows of blocks, so its slice of the blocks is its tensor."""
+    from gguf.quants import dequantize
+
+    if len(t.shape) != 3 or "{expert}" not in name:
+        raise ValueError(f"GGUF tensor {t.name!r} has shape {tuple(reversed(t.shape))}: the engine reads "
+                         f"{name!r} as {'one tensor' if '{expert}' not in name else 'a 3-D stack of experts'}")
+    experts, rows, cols = (int(x) for x in reversed(t.shape))
+    if qtype in NATIVE_TYPES:
+        blocks = np.asarray(t.data).reshape(experts, rows, -1)
+        for e in range(experts):
+            weights[name.format(expert=e)] = GGUFTensor(f"{t.name}[{e}]", qtype, blocks[e], (rows, cols))
+        return
+    arr = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32, copy=True).reshape(experts, rows, cols)
+    for e in range(experts):
+        weights[name.format(expert=e)] = torch.from_numpy(arr[e]).to(dtype)
+
+
 def load_gguf(path: Path, dtype: torch.dtype, progress: Callable[[int, int], None] | None = None,
               models: ModelRegistry | None = None) -> LoadedCheckpoint:
     from gguf import GGUFReader
@@ -124,6 +145,8 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: Callable[[int, int], Non
     meta = read_metadata(reader)
     arch = models.for_gguf(meta.get("general.architecture", "?"))
     cfg = arch.config_from_gguf(meta)
+    if cfg.architecture != getattr(arch, "name", cfg.architecture):
+        arch = models.get(cfg.architecture)  # a family that hands a file over (`llama` + experts: Mixtral)
     shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors}
     # from the tensor list: tied (no output.weight), and the vocabulary the embedding has rows for
     # (Gemma 3's converter trims the embedding to the tokenizer's tokens)
@@ -138,6 +161,11 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: Callable[[int, int], Non
             raise ValueError(f"tensor {t.name}: GGUF type {qtype} is not supported")
         name = arch.gguf_tensor_name(t.name, cfg)
         if name is None:  # a table the engine recomputes (rope_freqs, ...)
+            if progress is not None:
+                progress(i + 1, total)
+            continue
+        if len(t.shape) == 3 or "{expert}" in name:
+            _split_experts(t, name, qtype, dtype, weights)
             if progress is not None:
                 progress(i + 1, total)
             continue

@@ -267,7 +267,7 @@ class Family:
         def g(key: str, default: Any = None) -> Any:  # Any: GGUF metadata values are whatever the file holds
             return meta.get(f"{arch}.{key}", default)
 
-        if g("expert_count"):
+        if g("expert_count") and not self.gguf_experts:
             raise ConfigError(f"GGUF {arch}: {arch}.expert_count={g('expert_count')}: mixture-of-experts GGUF "
                               f"files are not read (load the Hugging Face checkpoint)")
         heads = g("attention.head_count")
@@ -292,8 +292,11 @@ class Family:
         self.check(cfg, f"GGUF {arch}")
         return cfg
 
-    #: GGUF per-layer tensor names (``blk.N.<name>``) -> HF names under ``model.layers.N.``
+    #: GGUF per-layer tensor names (``blk.N.<name>``) -> HF names under ``model.layers.N.``; a
+    #: 3-D tensor (stacked experts) maps to a name with ``{expert}``, which the loader fills per expert
     gguf_layer_names: dict[str, str] = GGUF_LAYER_NAMES
+    #: whether the family reads ``{arch}.expert_count`` (mixture-of-experts families)
+    gguf_experts = False
 
     def gguf_fields(self, meta: dict, arch: str, g: Callable[..., Any], fields: dict[str, Any]) -> dict[str, Any]:
         """Family keys beyond the common ones; LLaMA's: a sliding window where the file has one
@@ -321,7 +324,19 @@ class Family:
 
 
 class Llama(Family):
-    """LLaMA 1/2/3/3.1/3.2 (and SmolLM, TinyLlama, ...): the base decoder; llama3 rope scaling."""
+    """LLaMA 1/2/3/3.1/3.2 (and SmolLM, TinyLlama, ...): the base decoder; llama3 rope scaling.
+
+    A ``llama`` GGUF with ``llama.expert_count`` is Mixtral (llama.cpp's converter writes it
+    so): its config comes from the Mixtral family, ``architecture="mixtral"``, which the GGUF
+    loader then builds and names the tensors with."""
+
+    def config_from_gguf(self, meta: dict) -> ModelConfig:
+        arch = meta.get("general.architecture", "llama")
+        if meta.get(f"{arch}.expert_count"):
+            from tokenloom.plugins.models.moe import Mixtral  # moe.py imports this module
+
+            return Mixtral().config_from_gguf(meta)
+        return super().config_from_gguf(meta)
 
 
 class Mistral(Family):

@@ -18,9 +18,12 @@ gate_proj/up_proj/down_proj`` for Qwen3-MoE); transformers 5 holds them fused in
 (``mlp.experts.gate_up_proj [E, 2F, H]`` and ``down_proj [E, H, F]``) and writes that with
 ``save_pretrained(save_original_format=False)``: both load.
 
-GGUF is not read: llama.cpp writes Mixtral as ``llama`` (with ``llama.expert_count``), an
-architecture the LLaMA family claims, and both families' experts as 3-D ``ffn_*_exps``
-tensors the GGUF loader does not split. A Qwen2-MoE style shared expert is refused.
+GGUF, as llama.cpp's converter writes it: Mixtral as ``llama`` with ``llama.expert_count``
+(the LLaMA family hands such a file to Mixtral; q/k permuted as LLaMA's), Qwen3-MoE as
+``qwen3moe`` (every layer sparse, the top-k weights always renormalised: llama.cpp's rules).
+The router is ``blk.N.ffn_gate_inp``, the experts 3-D ``ffn_{gate,up,down}_exps`` tensors
+that the loader splits into the per-expert checkpoint names. A Qwen2-MoE style shared
+expert is refused.
 """
 
 from __future__ import annotations
@@ -37,7 +40,14 @@ from tokenloom.core.models.config import ModelConfig, MoEConfig
 from tokenloom.core.parallel import TensorParallel
 from tokenloom.core.weights import CheckpointTensors, LinearSlot, LinearWeight, dense_tensor
 from tokenloom.plugins.models.decoder import DecoderModel, GatedMLP
-from tokenloom.plugins.models.families import Family, base_fields, refuse, truthy
+from tokenloom.plugins.models.families import (
+    GGUF_LAYER_NAMES,
+    GGUF_QK_NORM_NAMES,
+    Family,
+    base_fields,
+    refuse,
+    truthy,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,11 +180,39 @@ class MoEBlock(nn.Module):
             self._pack_expert(one, part, f"{prefix}experts.{e}.", pack)
 
 
+def gguf_expert_names(names: MoENames) -> dict[str, str]:
+    """llama.cpp's router and stacked-expert tensors -> a family's per-expert names
+    (``{expert}``: filled in by the GGUF loader for each expert of the 3-D tensor)."""
+    block = names.blocks[0]
+    return {"ffn_gate_inp": f"{block}.gate", "ffn_gate_exps": f"{block}.experts.{{expert}}.{names.gate}",
+            "ffn_up_exps": f"{block}.experts.{{expert}}.{names.up}",
+            "ffn_down_exps": f"{block}.experts.{{expert}}.{names.down}"}
+
+
 class MoEFamily(Family):
     """A family whose MLPs are mixtures of experts (some layers dense: ``moe.dense_layers``)."""
 
     moe_names = QWEN3_MOE_NAMES
     round_weights = False  # see MoEBlock
+    gguf_experts = True
+
+    def gguf_moe(self, g, fields: dict[str, Any], arch: str) -> MoEConfig | None:
+        """llama.cpp's keys: ``expert_count``, ``expert_used_count``, the expert width
+        ``expert_feed_forward_length`` (else ``feed_forward_length``); every layer sparse
+        and the top-k weights renormalised (how llama.cpp runs both families)."""
+        experts = int(g("expert_count", 0) or 0)
+        if not experts:
+            return None
+        used = g("expert_used_count")
+        if not used:
+            raise ConfigError(f"GGUF {arch}: {arch}.expert_count={experts} without {arch}.expert_used_count")
+        gating = g("expert_gating_func")
+        if gating not in (None, 1):  # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+            raise ConfigError(f"GGUF {arch}: {arch}.expert_gating_func {gating} is not implemented (softmax)")
+        return MoEConfig(num_experts=experts, top_k=int(used),
+                         intermediate_size=int(g("expert_feed_forward_length") or fields["intermediate_size"]),
+                         norm_topk_prob=True,
+                         shared_expert_intermediate_size=int(g("expert_shared_feed_forward_length", 0) or 0))
 
     def check(self, cfg: ModelConfig, model: str) -> None:
         moe = cfg.moe
@@ -211,8 +249,13 @@ class Mixtral(MoEFamily):
     name = "mixtral"
     hf_architectures = ("MixtralForCausalLM",)
     hf_model_types = ("mixtral",)
-    gguf_architectures = ()  # llama.cpp writes Mixtral as `llama`, which the LLaMA family claims
+    gguf_architectures = ()  # llama.cpp writes Mixtral as `llama`, which the LLaMA family claims (and hands over)
     moe_names = MIXTRAL_NAMES
+    gguf_layer_names = {**GGUF_LAYER_NAMES, **gguf_expert_names(MIXTRAL_NAMES)}
+
+    def gguf_fields(self, meta, arch, g, fields):
+        return {**super().gguf_fields(meta, arch, g, fields), "hidden_act": "silu",
+                "moe": self.gguf_moe(g, fields, arch)}
 
     def hf_fields(self, raw: dict, model: str) -> dict[str, Any]:
         refuse(raw, model, attention_bias=truthy, mlp_bias=truthy)
@@ -232,9 +275,17 @@ class Qwen3Moe(MoEFamily):
     name = "qwen3_moe"
     hf_architectures = ("Qwen3MoeForCausalLM",)
     hf_model_types = ("qwen3_moe",)
-    gguf_architectures = ()  # llama.cpp's `qwen3moe` stores experts as 3-D tensors: not read
+    gguf_architectures = ("qwen3moe",)
     moe_names = QWEN3_MOE_NAMES
     round_weights = True
+    gguf_layer_names = {**GGUF_LAYER_NAMES, **GGUF_QK_NORM_NAMES, **gguf_expert_names(QWEN3_MOE_NAMES)}
+
+    def gguf_fields(self, meta, arch, g, fields):
+        return {**super().gguf_fields(meta, arch, g, fields), "qk_norm": True, "hidden_act": "silu",
+                "moe": self.gguf_moe(g, fields, arch)}
+
+    def gguf_permuted_qk(self) -> bool:
+        return False  # the converter's Qwen3MoeModel (a TextModel) leaves q/k as they are
 
     def hf_fields(self, raw: dict, model: str) -> dict[str, Any]:
         refuse(raw, model, mlp_bias=truthy, shared_expert_intermediate_size=truthy)
