@@ -254,9 +254,9 @@ def test_revision_flag_and_config_key():
 def test_a_chat_template_json_is_read(tmp_path):
     """A checkpoint whose template sits in chat_template.json (processors' spelling), not in
     tokenizer_config.json, still chats with it."""
-    from conftest import _byte_tokenizer
-
     from tokenloom.core.tokenizer import Tokenizer
+
+    from conftest import _byte_tokenizer
 
     _byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))

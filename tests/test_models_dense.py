@@ -13,9 +13,10 @@ import json
 
 import pytest
 import torch
-from conftest import CHAT_TEMPLATE, EOS_ID, TINY_VOCAB, _byte_tokenizer
 
 from tokenloom import LLM, SamplingParams
+
+from conftest import CHAT_TEMPLATE, EOS_ID, TINY_VOCAB, _byte_tokenizer
 
 COMMON = dict(vocab_size=TINY_VOCAB, num_hidden_layers=2, max_position_embeddings=512, rms_norm_eps=1e-5,
               bos_token_id=257, eos_token_id=EOS_ID, pad_token_id=259)
@@ -63,7 +64,7 @@ def make_family_model(path, family: str, seed: int = 0):
     cfg = getattr(transformers, config_cls)(**COMMON, **extra)
     model = getattr(transformers, model_cls)(cfg).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:  # norms (Gemma's start at zero: 1 + w) and biases (zero-initialised)
                 p.add_(torch.randn_like(p) * 0.3)
         lm_head = model.get_output_embeddings().weight
