@@ -22,6 +22,9 @@ from tokenloom.protocols.gateway import FrontendHost, ServerOptions
 
 from conftest import tiny_engine_kwargs
 
+# tiny-model engines: one torch thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 _BUILTINS = PluginManager(load_entry_points=False)
 
 

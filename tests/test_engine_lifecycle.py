@@ -15,6 +15,9 @@ from tokenloom.core.plugins import PluginManager
 
 from conftest import tiny_engine_kwargs
 
+# tiny-model engines: one torch thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 

@@ -25,6 +25,9 @@ from tokenloom.protocols.websocket.messages import decode_client
 
 from conftest import collect, tiny_engine_kwargs, wait_idle
 
+# tiny-model engines: one torch thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 HI = [{"role": "user", "content": "hi"}]
 
 

@@ -19,6 +19,9 @@ from tokenloom.core.evaluation import (
     window_spans,
 )
 
+# tiny-model engines: one torch thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TEXT = "The quick brown fox jumps over the lazy dog. Perplexity is exp of the mean loss; " * 3
 
 

@@ -25,6 +25,9 @@ from tokenloom.protocols.ratelimit import RateLimiter, RateLimits
 
 from conftest import SEPARATE, SlowSteps, engine_stats, tiny_engine_kwargs, wait_idle
 
+# tiny-model engines: one torch thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 class LineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_tokens: int = 8

@@ -18,6 +18,9 @@ from tokenloom.plugins.decoders.base import SharedStepDecoder
 
 from conftest import tiny_engine_kwargs
 
+# tiny-model engines: one torch thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def _requests(stop_text: str = "e", stop_id: int = 41):
     """A mix that exercises every way to stop: greedy and seeded sampling, stop strings

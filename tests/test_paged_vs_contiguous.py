@@ -8,6 +8,9 @@ import pytest
 
 from tokenloom import SamplingParams
 
+# tiny-model engines: one torch thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 NUM_BLOCKS = 400  # 6,400 token slots
 
 

@@ -15,6 +15,9 @@ from tokenloom.core.errors import ConfigError
 from tokenloom.core.hookspecs import hookimpl
 from tokenloom.core.plugins import PluginManager
 
+# tiny-model engines: one torch thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def _specs():
     return [f for name, f in inspect.getmembers(hookspecs, inspect.isfunction)

@@ -8,6 +8,9 @@ import pytest
 
 from tokenloom import SamplingParams
 
+# tiny-model engines: one torch thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 CACHING = [("paged", {"name": "paged", "enable_prefix_caching": True}), ("radix", {"name": "radix"})]
 

@@ -10,6 +10,9 @@ from test_gguf import write_gguf
 from tokenloom import LLM
 from tokenloom.core.errors import ConfigError
 
+# tiny-model engines: one torch thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 IDS = [5, 77, 3, 200, 14, 9, 9, 120, 33, 1, 250]
 
 

@@ -24,6 +24,9 @@ from tokenloom.plugins.quantizers.offline import (
 
 from conftest import tiny_engine_kwargs
 
+# tiny-model engines: one torch thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPTS = [[5, 77, 3, 200, 14, 9], [100, 101, 102], [33, 1, 250, 7, 7, 7, 40]]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

@@ -7,6 +7,9 @@ import torch
 
 from tokenloom import SamplingParams
 
+# tiny-model engines: one torch thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.mark.parametrize("cpu_linear", ["dual", "mkl", "onednn"])
 def test_prefill_logits_match_transformers(make_llm, tiny_hf_model, cpu_linear):
