@@ -19,6 +19,9 @@ from conftest import SlowSteps, engine_stats
 from conftest import collect as _collect
 from conftest import wait_idle as _wait_idle
 
+# tiny-model engines: one torch thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 LONG = {"temperature": 0, "max_tokens": 400, "ignore_eos": True}
 
 
@@ -96,7 +99,9 @@ async def test_never_reading_client_is_cut_and_memory_bounded(make_server):
     engine = server.engine
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    ws = await connect(url, sock=sock, max_queue=1)
+    # close_timeout: the server drops this connection; the client's own close at the end would
+    # wait its default 10 s for a closing handshake that cannot come
+    ws = await connect(url, sock=sock, max_queue=1, close_timeout=0.5)
     await ws.recv()  # session
     params = {"temperature": 1.0, "max_tokens": 900, "ignore_eos": True, "logprobs": 20}
     for i in range(4):
@@ -232,6 +237,9 @@ async def test_health_and_metrics_over_http(make_server):
     with pytest.raises(urllib.error.HTTPError) as info:
         await loop.run_in_executor(None, lambda: urllib.request.urlopen(base + "/nope"))
     assert info.value.code == 404
+    # closed now: held open (by the traceback's reference cycle) it kept the server's shutdown
+    # waiting for the client to hang up, 10 s (websockets' close timeout), at fixture teardown
+    info.value.close()
 
 
 async def test_graceful_shutdown(make_server):

@@ -21,6 +21,9 @@ from tokenloom.protocols.websocket.messages import Delta, Done, decode_server
 
 from conftest import SlowSteps, collect, wait_idle
 
+# tiny-model engines: one torch thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 LONG = {"temperature": 0, "max_tokens": 300, "ignore_eos": True}
 
 
@@ -228,7 +231,9 @@ async def test_unsent_bytes_are_bounded_per_connection(make_server):
                                     socket_send_buffer=4096)
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    ws = await connect(url, sock=sock, max_queue=1)
+    # close_timeout: the server drops this connection; the client's own close at the end would
+    # wait its default 10 s for a closing handshake that cannot come
+    ws = await connect(url, sock=sock, max_queue=1, close_timeout=0.5)
     await ws.recv()
     params = {"temperature": 1.0, "max_tokens": 900, "ignore_eos": True, "logprobs": 20}
     for i in range(4):
