@@ -11,6 +11,9 @@ from tokenloom.bench.stats import percentile, ratio, summarize
 from tokenloom.bench.workload import make_workload, parse_range
 from tokenloom.core.plugins import PluginManager
 
+# tiny-model engines: one torch thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def test_percentile_interpolates_like_numpy():
     xs = [10, 1, 4, 7]  # sorted 1 4 7 10
