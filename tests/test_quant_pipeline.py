@@ -18,9 +18,9 @@ IDS = [5, 77, 3, 200, 14, 9, 9, 120, 33, 1, 250]
 
 def _logits(path, **kw):
     with LLM(model=str(path), dtype="float32", num_kv_blocks=16, **kw) as llm:
-        layer = llm.engine.runner.model.layers[0]
-        kernels = {n: getattr(layer, n).kernel for n in ("qkv", "o", "gate_up", "down")}
-        layer_bytes = sum(getattr(layer, n).nbytes() for n in ("qkv", "o", "gate_up", "down"))
+        layer = llm.engine.runner.model.linear_layers()[0]
+        kernels = {n: layer[n].kernel for n in ("qkv", "o", "gate_up", "down")}
+        layer_bytes = sum(layer[n].nbytes() for n in ("qkv", "o", "gate_up", "down"))
         return llm.engine.runner.prefill_logits(IDS, [0]), kernels, layer_bytes
 
 
@@ -43,7 +43,7 @@ def test_batches_above_quant_max_rows_use_the_dense_copy(tmp_path, tiny_hf_model
     path = tmp_path / "tiny.gguf"
     write_gguf(path, tiny_hf_model, Q.Q4_1)
     with LLM(model=str(path), dtype="float32", num_kv_blocks=16, backend={"name": "torch", "quant_max_rows": 8}) as llm:
-        w = llm.engine.runner.model.layers[0].gate_up
+        w = llm.engine.runner.model.linear_layers()[0]["gate_up"]
         big = torch.randn(40, w.in_features)
         by_int4 = torch.cat([w.apply(big[i:i + 8]) for i in range(0, 40, 8)])  # <= 8 rows: the 4-bit kernel
         assert torch.equal(by_int4[:8], w.quantised(big[:8]).float())
@@ -59,9 +59,9 @@ def test_the_crossing_to_the_dense_copy_is_measured_per_shape(tmp_path, tiny_hf_
     write_gguf(path, tiny_hf_model, Q.Q4_1)
     KERNEL_TIMINGS.clear()
     with LLM(model=str(path), dtype="float32", num_kv_blocks=16) as llm:  # quant_max_rows = -1 by default
-        layer = llm.engine.runner.model.layers[0]
+        layer = llm.engine.runner.model.linear_layers()[0]
         for name in ("qkv", "o", "gate_up", "down"):
-            w = getattr(layer, name)
+            w = layer[name]
             t = KERNEL_TIMINGS[("int4", w.group_size, w.out_features, w.in_features, "float32")]
             assert w.kernel.endswith(f"dense above {w.max_rows} rows (measured)") and w.max_rows == t["max_rows"]
             # the quantised kernel is kept exactly while it was measured at most TUNE_MARGIN slower

@@ -65,8 +65,8 @@ def test_written_checkpoints_load_with_their_own_method(tiny_model_dir, tmp_path
     with LLM(model=str(out), dtype="float32", num_kv_blocks=64) as quant, \
             LLM(**tiny_engine_kwargs(tiny_model_dir)) as dense:
         assert quant.engine.config.quantizer is None  # chosen from the checkpoint's metadata
-        layer = quant.engine.runner.model.layers[0]
-        assert all(getattr(layer, n).kernel.startswith(kernel) for n in ("qkv", "o", "gate_up", "down"))
+        layer = quant.engine.runner.model.linear_layers()[0]
+        assert all(layer[n].kernel.startswith(kernel) for n in ("qkv", "o", "gate_up", "down"))
         ours = quant.engine.runner.prefill_logits(PROMPTS[0], [0])
         ref = dense.engine.runner.prefill_logits(PROMPTS[0], [0])
         rel = ((ours - ref).abs().max() / ref.abs().max()).item()
