@@ -25,7 +25,9 @@ the repository root, files a command writes (`--out DIR`, `--json FILE`) stay ou
 tree, and a later command can read what an earlier one wrote. Third-party plugins load (the
 test suite's TOKENLOOM_DISABLE_PLUGIN_AUTOLOAD is removed), so the example plugin's
 scheduler is there once `make install` has installed it. Torch runs one thread
-(TOKENLOOM_NUM_THREADS=1): the test checks that the commands work, not how fast.
+(TOKENLOOM_NUM_THREADS=1): the test checks that the commands work, not how fast. Blocks run
+PARALLEL_BLOCKS at a time (each in its own folder, its commands in order): one-thread
+processes one after another left the second core idle.
 
 Left unmarked, because they cannot run here or would not end: commands that block
 (`tokenloom serve`, `tokenloom chat`, `tokenloom router`) or need a running server (`curl`,
@@ -148,37 +150,73 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run(argv: list[str], cwd: Path, what: str) -> None:
+def _run(argv: list[str], cwd: Path, what: str) -> str | None:
+    """Run one command; None when it exits 0, else what went wrong."""
     try:
         done = subprocess.run(argv, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{what}: no exit within {COMMAND_TIMEOUT_S} s")
-    assert done.returncode == 0, (f"{what}: exit status {done.returncode}\n"
-                                  f"--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}")
+        return f"{what}: no exit within {COMMAND_TIMEOUT_S} s"
+    if done.returncode != 0:
+        return (f"{what}: exit status {done.returncode}\n"
+                f"--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}")
+    return None
+
+
+def run_block(block: Block, folder: Path, tiny_model: str | None) -> str | None:
+    """The block's commands in order in ``folder`` (see the module docstring); None when every
+    one exits 0, else what went wrong with the first that did not."""
+    for name in ("examples", "scripts"):
+        (folder / name).symlink_to(ROOT / name)
+    if block.lang == "python":
+        script = folder / "block.py"
+        script.write_text(block.text, encoding="utf-8")
+        return _run([sys.executable, str(script)], folder, f"{block.id} (python)")
+    if block.lang == "toml":
+        config = folder / "block.toml"
+        config.write_text(block.text, encoding="utf-8")
+        return _run(["tokenloom", "config", "--config", str(config)], folder, f"{block.id} (tokenloom config)")
+    cmds = commands(block, tiny_model)
+    if not cmds:
+        return f"{block.id}: a runnable block with no command"
+    for argv in cmds:
+        if (failed := _run(argv, folder, f"{block.id}: {shlex.join(argv)}")) is not None:
+            return failed
+    return None
 
 
 BLOCKS = runnable_blocks()
+#: blocks run at once (each command on one torch thread): one per core of a 2-core machine
+PARALLEL_BLOCKS = 2
+
+
+@pytest.fixture(scope="module")
+def block_runs(request, tmp_path_factory):
+    """The blocks of this session's test_runnable_block_exits_0 items (after -k / -m), started
+    in their order, PARALLEL_BLOCKS at a time: {block id: Future of run_block's answer}."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    blocks = [item.callspec.params["block"] for item in request.session.items
+              if getattr(item, "originalname", None) == "test_runnable_block_exits_0"
+              and item.module is request.module]
+    needs_tiny = any(b.tiny and b.lang == "sh" for b in blocks)
+    tiny = str(request.getfixturevalue("tiny_model_dir")) if needs_tiny else None
+    pool = ThreadPoolExecutor(PARALLEL_BLOCKS, thread_name_prefix="doc-block")
+    runs = {b.id: pool.submit(run_block, b, tmp_path_factory.mktemp(re.sub(r"\W+", "_", b.id)),
+                              tiny if b.tiny else None)
+            for b in blocks}
+    yield runs
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 @pytest.mark.parametrize("block", [pytest.param(b, id=b.id, marks=() if b.tiny else pytest.mark.slow) for b in BLOCKS])
-def test_runnable_block_exits_0(block: Block, tmp_path: Path, request):
-    tiny = str(request.getfixturevalue("tiny_model_dir")) if block.tiny and block.lang == "sh" else None
-    for name in ("examples", "scripts"):
-        (tmp_path / name).symlink_to(ROOT / name)
-    if block.lang == "python":
-        script = tmp_path / "block.py"
-        script.write_text(block.text, encoding="utf-8")
-        _run([sys.executable, str(script)], tmp_path, f"{block.id} (python)")
-        return
-    if block.lang == "toml":
-        config = tmp_path / "block.toml"
-        config.write_text(block.text, encoding="utf-8")
-        _run(["tokenloom", "config", "--config", str(config)], tmp_path, f"{block.id} (tokenloom config)")
-        return
-    cmds = commands(block, tiny)
-    assert cmds, f"{block.id}: a runnable block with no command"
-    for argv in cmds:
-        _run(argv, tmp_path, f"{block.id}: {shlex.join(argv)}")
+def test_runnable_block_exits_0(block: Block, block_runs, tmp_path: Path, request):
+    run = block_runs.get(block.id)
+    if run is not None:
+        failed = run.result()
+    else:  # not among the session's items when block_runs started them: run it here
+        tiny = str(request.getfixturevalue("tiny_model_dir")) if block.tiny and block.lang == "sh" else None
+        failed = run_block(block, tmp_path, tiny)
+    assert failed is None, failed
 
 
 def test_every_page_has_runnable_blocks_where_they_belong():
