@@ -102,6 +102,16 @@ def one_thread(request):
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def one_thread_module():
+    """:func:`one_thread` for a whole module, its module-scoped fixtures included (an engine
+    the module's tests share, built on the thread count they run on); slow tests too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def tiny_engine_kwargs(model_dir, **overrides):
     kwargs = {"model": str(model_dir), "dtype": "float32", "device": "cpu", "num_kv_blocks": 256,
               "block_size": 16}

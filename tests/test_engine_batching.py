@@ -8,6 +8,9 @@ import pytest
 
 from tokenloom import SamplingParams
 
+# tiny-model engines, the shared one included: one torch thread (conftest.one_thread_module)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
+
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 
@@ -17,7 +20,7 @@ def _prompts(n: int, seed: int = 1) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def alone_outputs(tiny_model_dir):
+def alone_outputs(tiny_model_dir, one_thread_module):
     from tokenloom import LLM
 
     from conftest import tiny_engine_kwargs
