@@ -1,7 +1,7 @@
 """Each dense model family against transformers' own implementation of it.
 
 For every family a tiny random-weight model is made with transformers' classes (odd
-sizes: 1 and 3 KV heads, head dims 32 and 64, a window shorter than the prompt, random
+sizes: 1, 2 and 3 KV heads, head dims 32 and 64, a window shorter than the prompt, random
 norms and biases so that nothing is an identity), saved as safetensors and served: the
 prefill logits match in float32 to 1e-4 relative, and the greedy ids for 32 tokens match
 through a plain prefill, a chunked prefill behind a cached prefix and a batch of prompts
@@ -22,9 +22,9 @@ COMMON = dict(vocab_size=TINY_VOCAB, num_hidden_layers=2, max_position_embedding
               bos_token_id=257, eos_token_id=EOS_ID, pad_token_id=259)
 
 FAMILIES = {
-    # Llama 3: llama3 rope scaling (the original context short enough that it bites), head_dim 32
+    # Llama 3: llama3 rope scaling (the original context short enough that it bites), 3 KV heads of 32
     "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(
-        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+        hidden_size=96, intermediate_size=96, num_attention_heads=6, num_key_value_heads=3, head_dim=32,
         rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     # Mistral: every layer a window of 8 (prompts are longer); GQA 3
