@@ -38,6 +38,8 @@ ENGINE_FLAGS = {
     "engine_process": "process",
     "batch_invariant": "batch_invariant",
     "tensor_parallel_size": "tensor_parallel_size",
+    "tool_call_parser": "tool_call_parser",
+    "grammar_backend": "grammar_backend",
 }
 
 
@@ -63,6 +65,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "requests may name it (repeatable)")
     g.add_argument("--backend", help="torch, ...")
     g.add_argument("--quantizer", help="gguf, none, int8, rtn, fp8, gptq, awq (default: what the checkpoint says)")
+    g.add_argument("--tool-call-parser", metavar="NAME",
+                   help="how the model writes tool calls: auto (by the chat template), hermes, mistral, llama3_json")
+    g.add_argument("--grammar-backend", metavar="NAME", help="structured outputs: xgrammar (default)")
     g.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "int8"], help="KV cache storage (auto: the dtype)")
     g.add_argument("--max-num-seqs", type=int)
     g.add_argument("--max-num-batched-tokens", type=int)

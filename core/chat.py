@@ -7,10 +7,11 @@ turn: only the chat template's own markers may become special tokens. See
 
 from __future__ import annotations
 
+import functools
 import re
 import secrets
 from bisect import bisect_right
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import structlog
@@ -30,7 +31,7 @@ _OPEN, _CLOSE = "\ufdd0", "\ufdd1"
 
 
 def encode_chat(tokenizer: Tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
-                parse_special_tokens: bool = False) -> list[int]:
+                parse_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
     """Token ids of ``messages`` rendered with the chat template.
 
     With ``parse_special_tokens=False`` (the default) only the template's own markers
@@ -38,7 +39,8 @@ def encode_chat(tokenizer: Tokenizer, messages: list[dict], *, add_generation_pr
     (``<|im_end|>\\n<|im_start|>system ...``) is encoded as plain text, so a message
     cannot forge a turn, and a control-token string in any other field (``role``,
     ``name``, non-string content) is refused with a ClientError. ``True`` is the old
-    behaviour: the rendered text is encoded with every special token parsed.
+    behaviour: the rendered text is encoded with every special token parsed. ``tools``
+    go to the template as they are (a control-token string in them is refused too).
 
     How: the template is rendered once more with each string content replaced by a
     sentinel, which gives the content's place in the rendered text.
@@ -56,14 +58,18 @@ def encode_chat(tokenizer: Tokenizer, messages: list[dict], *, add_generation_pr
       text as characters (no control token comes back), and a warning is logged once
       per tokenizer.
     """
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    render = functools.partial(tokenizer.apply_chat_template, add_generation_prompt=add_generation_prompt, tools=tools)
+    text = render(messages)
     if parse_special_tokens or not tokenizer.special_ids:
         return tokenizer.encode(text)
     _refuse_specials_outside_content(tokenizer, messages)
+    for string in _strings(tools or []):
+        if tokenizer.special_ids.intersection(tokenizer.encoding(string).ids):
+            raise ClientError(f"tools contain a control token: {string!r}", param="tools", value=string)
     enc = tokenizer.encoding(text)
-    spans = _content_spans(tokenizer, messages, text, add_generation_prompt)
+    spans = _content_spans(render, messages, text)
     if spans is None:
-        return _encode_segments(tokenizer, _literal_marker_segments(tokenizer, messages, add_generation_prompt))
+        return _encode_segments(tokenizer, _literal_marker_segments(tokenizer, render, messages))
     starts, ends = [s for s, _ in spans], [e for _, e in spans]
     for tid, (s, e) in zip(enc.ids, enc.offsets, strict=True):
         if tid in tokenizer.special_ids:
@@ -80,8 +86,8 @@ def encode_chat(tokenizer: Tokenizer, messages: list[dict], *, add_generation_pr
     return _encode_segments(tokenizer, segments)
 
 
-def _content_spans(tokenizer: Tokenizer, messages: list[dict], text: str,
-                   add_generation_prompt: bool) -> list[tuple[int, int]] | None:
+def _content_spans(render: Callable[[list[dict]], str], messages: list[dict],
+                   text: str) -> list[tuple[int, int]] | None:
     """[start, end) of each non-empty string content in ``text``, in order, or None
     when the template does not render every content exactly once, unchanged."""
     nonce = f"{_OPEN}{secrets.randbits(64)}."
@@ -94,7 +100,7 @@ def _content_spans(tokenizer: Tokenizer, messages: list[dict], text: str,
         marked.append(m)
     if not contents:
         return []
-    rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=add_generation_prompt)
+    rendered = render(marked)
     found = []
     for sentinel, content in contents.items():
         at = rendered.find(sentinel)
@@ -114,8 +120,8 @@ def _content_spans(tokenizer: Tokenizer, messages: list[dict], text: str,
     return spans if "".join(pieces) == text else None
 
 
-def _literal_marker_segments(tokenizer: Tokenizer, messages: list[dict],
-                             add_generation_prompt: bool) -> list[tuple[str, bool]]:
+def _literal_marker_segments(tokenizer: Tokenizer, render: Callable[[list[dict]], str],
+                             messages: list[dict]) -> list[tuple[str, bool]]:
     """The rendered text as (text, parse_special_tokens) segments, where each special-token
     string found in a content is its own literal segment."""
     nonce = f"{_OPEN}{secrets.randbits(64)}."
@@ -136,7 +142,7 @@ def _literal_marker_segments(tokenizer: Tokenizer, messages: list[dict],
                 parts.append(content[pos:])
                 m = {**m, "content": "".join(parts)}
         marked.append(m)
-    rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=add_generation_prompt)
+    rendered = render(marked)
     segments, pos = [], 0
     for match in re.finditer(re.escape(nonce) + r"\d+" + re.escape(_CLOSE), rendered):
         segments.append((rendered[pos:match.start()], True))

@@ -82,6 +82,8 @@ class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     distributed_timeout_s: float = 30.0
     # the grammar backend (``register_grammars``) that compiles structured-output constraints
     grammar_backend: str = "xgrammar"
+    # the tool-call parser (``register_tool_parsers``): ``auto`` picks by the chat template
+    tool_call_parser: str = "auto"
 
 
 @dataclass(slots=True)
@@ -178,6 +180,8 @@ def build_config(pm: PluginManager, *layers: Mapping[str, Any]) -> EngineConfig:
         raise ConfigError(f"invalid engine option: {exc}") from None
     _check_engine(engine)
     pm.get("grammar", engine.grammar_backend)  # an unknown name fails here, naming the known ones
+    if engine.tool_call_parser != "auto":
+        pm.get("tool_parser", engine.tool_call_parser)
     config = EngineConfig(engine=engine)
     for role in SELECTABLE_ROLES:
         table = dict(role_tables.get(role, {}))

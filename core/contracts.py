@@ -32,6 +32,7 @@ from tokenloom.core.interfaces import (
     ModelFormat,
     Quantizer,
     Scheduler,
+    ToolParser,
 )
 from tokenloom.core.plugins import ROLE_LABELS, PluginEntry, PluginManager
 
@@ -52,7 +53,7 @@ _NOT_MEMBERS = frozenset({
 ROLE_CONTRACTS: dict[str, type] = {
     "scheduler": Scheduler, "cache_manager": CacheManager, "quantizer": Quantizer, "decoder": Decoder,
     "backend": Backend, "model_format": ModelFormat, "architecture": ModelArchitecture, "frontend": Frontend,
-    "grammar": GrammarBackend,
+    "grammar": GrammarBackend, "tool_parser": ToolParser,
 }
 
 

@@ -5,6 +5,7 @@ TokenDeltas that ends with exactly one Finished."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import time
 import uuid
@@ -102,22 +103,22 @@ class AsyncEngine:
                 self.pm.hook.engine_started(config=self.config, engine=self)
 
     def prompt_ids(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
-                   parse_special_tokens: bool | None = None) -> list[int]:
+                   parse_special_tokens: bool | None = None, tools: list[dict] | None = None) -> list[int]:
         """Token ids of a request's input (see :func:`encode_prompt`); a text that cannot
         fit the context is refused before it is tokenised."""
         refuse_by_size(self.tokenizer, self.max_model_len, prompt, messages)
         return encode_prompt(self.tokenizer, self.model_config.vocab_size, prompt, messages,
-                             parse_special_tokens=parse_special_tokens)
+                             parse_special_tokens=parse_special_tokens, tools=tools)
 
     async def prompt_ids_async(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
-                               parse_special_tokens: bool | None = None) -> list[int]:
+                               parse_special_tokens: bool | None = None, tools: list[dict] | None = None) -> list[int]:
         """:meth:`prompt_ids` for servers: text is tokenised in a worker thread, so a long
         prompt never stalls the event loop (other clients' streams, pings)."""
         if prompt is not None and not isinstance(prompt, str):
             return self.prompt_ids(prompt, messages, parse_special_tokens)
         refuse_by_size(self.tokenizer, self.max_model_len, prompt, messages)  # before any thread hop
         return await asyncio.get_running_loop().run_in_executor(
-            self._tokenize_executor, self.prompt_ids, prompt, messages, parse_special_tokens)
+            self._tokenize_executor, functools.partial(self.prompt_ids, prompt, messages, parse_special_tokens, tools))
 
     def submit(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
                messages: list[dict] | None = None, request_id: str | None = None,

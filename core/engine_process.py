@@ -375,16 +375,18 @@ class EngineClient:
         self._reader = asyncio.get_running_loop().create_task(self._read(channel, process), name="tokenloom-core-reader")
 
     # ---- the AsyncEngine surface ---------------------------------------------------------
-    def prompt_ids(self, prompt=None, messages=None, parse_special_tokens: bool | None = None) -> list[int]:
+    def prompt_ids(self, prompt=None, messages=None, parse_special_tokens: bool | None = None,
+                   tools: list[dict] | None = None) -> list[int]:
         refuse_by_size(self.tokenizer, self.max_model_len, prompt, messages)
         return encode_prompt(self.tokenizer, self.model_config.vocab_size, prompt, messages,
-                             parse_special_tokens=parse_special_tokens)
+                             parse_special_tokens=parse_special_tokens, tools=tools)
 
-    async def prompt_ids_async(self, prompt=None, messages=None, parse_special_tokens: bool | None = None) -> list[int]:
+    async def prompt_ids_async(self, prompt=None, messages=None, parse_special_tokens: bool | None = None,
+                               tools: list[dict] | None = None) -> list[int]:
         if prompt is not None and not isinstance(prompt, str):
             return self.prompt_ids(prompt, messages, parse_special_tokens)
         refuse_by_size(self.tokenizer, self.max_model_len, prompt, messages)
-        return await asyncio.to_thread(self.prompt_ids, prompt, messages, parse_special_tokens)
+        return await asyncio.to_thread(self.prompt_ids, prompt, messages, parse_special_tokens, tools)
 
     async def submit_async(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str,
                            cache_salt: str | None = None) -> RemoteRequest:

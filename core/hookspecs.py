@@ -197,6 +197,25 @@ def register_grammars(register: Register) -> None:
 
 
 @hookspec
+def register_tool_parsers(register: Register) -> None:
+    """Register tool-call parsers: how one model family writes function calls.
+
+    Called once per plugin manager, at start-up. The engine builds the one that
+    ``engine.tool_call_parser`` names; ``auto`` (the default) picks by the chat template
+    (``<tool_call>``: ``hermes``; ``[TOOL_CALLS]``: ``mistral``; ``<|python_tag|>``:
+    ``llama3_json``; any other: ``hermes``, whose system prompt then shows the tools).
+
+    :param register: as for :func:`register_schedulers`; ``factory(options)`` returns a
+        :class:`tokenloom.core.interfaces.ToolParser`: ``scan(text, final)`` reads the
+        calls out of an answer (whole or as it grows), ``constraint(...)`` forces the format
+        for ``tool_choice`` ``required`` and a named function, ``render_calls`` /
+        ``render_result`` / ``system_prompt`` write history and tools for a template that
+        does not. :mod:`tokenloom.core.tools` does the rest (OpenAI's fields, streaming).
+    :returns: nothing; results are ignored.
+    """
+
+
+@hookspec
 def engine_started(config: EngineConfig, engine: AsyncEngine) -> None:
     """The engine has loaded its model and built its strategies.
 

@@ -8,7 +8,8 @@ MAX_PROMPT_CHARS = 1 << 22
 
 
 def encode_prompt(tokenizer, vocab_size: int, prompt: str | list[int] | None = None,
-                  messages: list[dict] | None = None, *, parse_special_tokens: bool | None = None) -> list[int]:
+                  messages: list[dict] | None = None, *, parse_special_tokens: bool | None = None,
+                  tools: list[dict] | None = None) -> list[int]:
     """Exactly one of ``prompt`` (text or token ids) and ``messages`` (rendered with the
     model's chat template); every failure is a ClientError naming the parameter.
 
@@ -16,14 +17,15 @@ def encode_prompt(tokenizer, vocab_size: int, prompt: str | list[int] | None = N
     text become their special ids. None is the default for the input: True for a raw
     ``prompt`` string (clients send pre-formatted chat prompts), False for ``messages``,
     whose content is then encoded as plain text so a message cannot forge a turn (only
-    the template's own markers are special; see ``Tokenizer.encode_chat``)."""
+    the template's own markers are special; see ``Tokenizer.encode_chat``). ``tools``
+    (OpenAI's tool objects) go to a chat template that reads them."""
     if (prompt is None) == (messages is None):
         raise ClientError("give exactly one of prompt or messages", param="prompt")
     if messages is not None:
         if not isinstance(messages, list) or not messages:
             raise ClientError.bad_value("messages", messages, "a non-empty list of {role, content}")
-        _check_text(tokenizer.apply_chat_template(messages), "messages")
-        return tokenizer.encode_chat(messages, parse_special_tokens=bool(parse_special_tokens))
+        _check_text(tokenizer.apply_chat_template(messages, tools=tools), "messages")
+        return tokenizer.encode_chat(messages, parse_special_tokens=bool(parse_special_tokens), tools=tools)
     if isinstance(prompt, str):
         _check_text(prompt, "prompt")
         return tokenizer.encode(prompt, parse_special_tokens=parse_special_tokens is not False)

@@ -25,6 +25,8 @@ if TYPE_CHECKING:  # annotations only: most of these import this module (a cycle
     from tokenloom.core.parallel import TensorParallel
     from tokenloom.core.plugins import PluginManager
     from tokenloom.core.runner import ForwardOutput, ModelRunner
+    from tokenloom.core.sampling_params import Constraint
+    from tokenloom.core.tools import ToolCall, ToolScan
     from tokenloom.protocols.gateway import Gateway
 
 BLOCK_FREE, BLOCK_USED, BLOCK_CACHED = 0, 1, 2  # CacheManager.block_states() values
@@ -632,3 +634,39 @@ class GrammarBackend(Protocol):
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the start of ``compiled``."""
+
+
+@runtime_checkable
+class ToolParser(Protocol):
+    """Reads one model family's tool-call format (see ``register_tool_parsers`` and
+    :mod:`tokenloom.core.tools`): what the model writes when it calls a function, how
+    calls and results in history are written back, and the grammar that forces the format.
+
+    ``arguments_key`` names the arguments in the format's call object (``arguments``;
+    Llama 3's JSON calls say ``parameters``)."""
+
+    name: str
+    arguments_key: str
+
+    def scan(self, text: str, final: bool) -> ToolScan:
+        """What ``text`` (an answer so far; ``final``: all of it) holds: the content that is
+        surely content and the calls read whole. For any text that extends ``text``, the
+        scan extends this one: its content starts with this content and its calls with these
+        calls (so hold back what a call marker may still turn into; a call whose text does
+        not parse makes the rest content, never a call). Never raises on model output."""
+
+    def constraint(self, call_schema: dict[str, Any], *, min_calls: int, max_calls: int) -> Constraint:
+        """The constraint (usually ``tagged_json``) under which the model writes ``min_calls``
+        to ``max_calls`` calls in this format, each a JSON object valid under ``call_schema``."""
+
+    def render_calls(self, calls: list[ToolCall]) -> str:
+        """``calls`` as the model writes them (an assistant turn in history, for a chat
+        template that does not render ``tool_calls``)."""
+
+    def render_result(self, content: str) -> str:
+        """A ``tool`` message's content as this family reads it in a user turn (for a chat
+        template that does not render ``tool`` messages)."""
+
+    def system_prompt(self, functions: list[dict[str, Any]]) -> str:
+        """The system-message text that shows the model ``functions`` (OpenAI's function
+        objects) and its call format, for a chat template that does not read ``tools``."""

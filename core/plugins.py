@@ -18,7 +18,7 @@ from tokenloom.core.errors import ConfigError, UnknownPluginError
 log = structlog.get_logger("tokenloom.plugins")
 
 ROLES = ("scheduler", "cache_manager", "quantizer", "decoder", "backend", "model_format", "architecture", "frontend",
-         "grammar")
+         "grammar", "tool_parser")
 _HOOK_OF_ROLE = {
     "scheduler": "register_schedulers",
     "cache_manager": "register_cache_managers",
@@ -29,6 +29,7 @@ _HOOK_OF_ROLE = {
     "architecture": "register_models",
     "frontend": "register_frontends",
     "grammar": "register_grammars",
+    "tool_parser": "register_tool_parsers",
 }
 ROLE_LABELS = {role: role.replace("_", " ") for role in ROLES} | {"architecture": "model architecture"}
 
@@ -54,6 +55,7 @@ BUILTIN_PLUGINS = (
     "tokenloom.backends.triton_backend",
     "tokenloom.protocols.frontends",
     "tokenloom.plugins.grammars",
+    "tokenloom.plugins.tool_parsers",
 )
 
 

@@ -34,7 +34,9 @@ MAX_SLO_TARGET_MS = 3_600_000.0  # an hour: a latency target beyond it is no tar
 SLO_CLASS_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
-CONSTRAINT_KINDS = ("json", "json_schema", "regex", "grammar", "choice")
+CONSTRAINT_KINDS = ("json", "json_schema", "regex", "grammar", "choice", "tagged_json")
+MAX_TAGGED = 16  # JSON values in one ``tagged_json`` constraint (e.g. parallel tool calls)
+MAX_TAG_CHARS = 64
 MAX_CONSTRAINT_CHARS = 65_536  # a regex, an EBNF grammar or a JSON schema (as JSON text)
 MAX_CHOICES = 256
 MAX_SCHEMA_DEPTH = 32
@@ -61,8 +63,12 @@ class Constraint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     ``kind``: ``json`` (any JSON value; ``value`` unset), ``json_schema`` (``value`` a JSON
     schema object), ``regex`` (``value`` a regular expression), ``grammar`` (``value`` an
     EBNF grammar in xgrammar's dialect, rule ``root`` first), ``choice`` (``value`` a list of
-    strings: the output is exactly one of them). ``param`` names the request parameter it
-    came from (``response_format``, ``guided_regex``, ...): errors name it."""
+    strings: the output is exactly one of them), ``tagged_json`` (``value`` a dict: between
+    ``min`` and ``max`` JSON values, each valid under ``schema`` and written as ``begin``,
+    the compact JSON, ``end``, joined by ``separator``; how a tool parser forces its call
+    format, e.g. ``<tool_call>\\n{...}\\n</tool_call>``). ``param`` names the request
+    parameter it came from (``response_format``, ``guided_regex``, ``tool_choice``, ...):
+    errors name it."""
 
     kind: str
     value: str | list[str] | dict[str, Any] | None = None
@@ -86,6 +92,17 @@ class Constraint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
                     not all(isinstance(c, str) and 0 < len(c) <= MAX_STOP_STRING_LEN for c in v):
                 raise ClientError.bad_value(p, v, f"a list of 1 to {MAX_CHOICES} non-empty strings "
                                             f"of at most {MAX_STOP_STRING_LEN} characters")
+        elif self.kind == "tagged_json":
+            keys = {"schema", "begin", "end", "separator", "min", "max"}
+            if not isinstance(v, dict) or not set(v) <= keys or "schema" not in v:
+                raise ClientError.bad_value(p, v, f"a dict with 'schema' and some of {sorted(keys - {'schema'})}")
+            for key in ("begin", "end", "separator"):
+                if not isinstance(v.get(key, ""), str) or len(v.get(key, "")) > MAX_TAG_CHARS:
+                    raise ClientError.bad_value(p, v.get(key), f"{key}: a string of at most {MAX_TAG_CHARS} characters")
+            lo, hi = v.get("min", 1), v.get("max", 1)
+            if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi <= MAX_TAGGED):
+                raise ClientError.bad_value(p, (lo, hi), f"min and max with 1 <= min <= max <= {MAX_TAGGED}")
+            Constraint(kind="json_schema", value=v["schema"], param=p).validate()
         else:  # json_schema
             if not isinstance(v, dict):
                 raise ClientError.bad_value(p, v, "a JSON schema object")

@@ -127,30 +127,36 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         if not self.chat_template:
             raise ClientError("this model has no chat template; send a raw prompt", param="messages")
         if self._template is None:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=["jinja2.ext.loopcontrols"])
+            # what Hugging Face's template environment adds: tojson that keeps non-ASCII and
+            # '<' as they are (jinja's escapes them for HTML), and strftime_now (Llama 3's date)
+            env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise_template_error
+            env.globals["strftime_now"] = _strftime_now
             self._template = env.from_string(self.chat_template)
         try:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 bos_token=self.token(self.bos_token_id) if self.bos_token_id is not None else "",
                 eos_token=self.token(min(self.eos_token_ids)) if self.eos_token_ids else "",
             )
-        except TemplateError as exc:
+        except (TemplateError, TypeError) as exc:  # TypeError: e.g. tojson of a value the request left out
             raise ClientError(f"chat template failed: {exc}", param="messages") from None
 
     def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                    parse_special_tokens: bool = False) -> list[int]:
+                    parse_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
         """Token ids of ``messages`` rendered with the chat template; control-token strings in
         content stay text unless ``parse_special_tokens`` (see :mod:`tokenloom.core.chat`)."""
         return encode_chat(self, messages, add_generation_prompt=add_generation_prompt,
-                           parse_special_tokens=parse_special_tokens)
+                           parse_special_tokens=parse_special_tokens, tools=tools)
 
     # ---- builders ------------------------------------------------------------------
     @classmethod
@@ -215,6 +221,16 @@ class Tokenizer:
             bos = token_id(tcfg.get("bos_token"))
         return cls(tok, bos_token_id=bos, eos_token_ids=sorted(eos), chat_template=template,
                    add_bos=bool(tcfg.get("add_bos_token", False)))
+
+
+def _tojson(value, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    import datetime
+
+    return datetime.datetime.now().strftime(fmt)
 
 
 def _raise_template_error(message: str):

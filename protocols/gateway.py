@@ -133,7 +133,7 @@ class Gateway:
     async def admit(self, *, params: SamplingParams, limiter: RateLimiter, request_id: str,
                     prompt: str | list[int] | None = None, messages: list[dict] | None = None,
                     parse_special_tokens: bool | None = None, cache_salt: str | None = None,
-                    fill_max_tokens: bool = False, reserved: bool = False):
+                    fill_max_tokens: bool = False, reserved: bool = False, tools: list[dict] | None = None):
         """Validate, tokenise off the event loop, charge ``limiter``'s tokens, submit: the
         engine's request state. ``reserved``: the caller holds a slot from :meth:`reserve`
         (else one is taken here). ``fill_max_tokens``: the request gave no max_tokens, so it
@@ -149,7 +149,7 @@ class Gateway:
             if params.timeout_s is None and o.default_timeout_s is not None:
                 params = msgspec.structs.replace(params, timeout_s=o.default_timeout_s)
             params.validate(engine.model_config.vocab_size)  # before spending time on the prompt
-            ids = await engine.prompt_ids_async(prompt, messages, parse_special_tokens)
+            ids = await engine.prompt_ids_async(prompt, messages, parse_special_tokens, tools)
             if fill_max_tokens:  # the rest of the context, or of the KV pool where that is smaller
                 room = min(engine.max_model_len, engine.kv_capacity_tokens) - len(ids)
                 params = msgspec.structs.replace(params, max_tokens=max(1, room))

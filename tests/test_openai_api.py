@@ -271,7 +271,7 @@ def test_a_full_queue_is_503_with_retry_after_and_serving_goes_on(client, served
     (b'{"model": "tiny"}', 400, "messages"),  # missing field
     (b'{"model": "tiny", "messages": "hi"}', 400, "messages"),  # wrong type
     (b'{"model": "tiny", "messages": [{"role": "user", "content": 5}]}', 400, "messages"),
-    (b'{"model": "tiny", "messages": [{"role": "tool", "content": "x"}]}', 400, "messages"),
+    (b'{"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}', 400, "messages"),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400, "messages"),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', 400, "temperature"),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1.5}', 400, "max_tokens"),

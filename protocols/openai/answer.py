@@ -7,6 +7,12 @@ sample (``state.samples``, SamplingParams.n): each becomes a choice with its ``i
 its own ``finish_reason``; a stream interleaves their chunks, each naming its choice, and
 ends with one ``[DONE]`` once every sample has finished. ``usage`` counts the prompt once
 and sums the samples' completion tokens (best_of: every sample run, as OpenAI bills them).
+
+With tools (``tool_choice`` other than ``none``) each choice's text goes through a
+:class:`~tokenloom.core.tools.ToolStream`: content as far as it is surely content, then a
+``tool_calls`` delta per call once the parser has read it whole (its id, name and all its
+arguments in one delta). The whole answer is that same stream read at once, so the two
+agree; ``finish_reason`` is ``tool_calls`` when the model called and then stopped.
 """
 
 from __future__ import annotations
@@ -19,12 +25,13 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from tokenloom.core.outputs import Finished, TokenDelta, Usage
+from tokenloom.core.tools import ToolCall, ToolStream
 from tokenloom.protocols.openai import schema
 from tokenloom.protocols.openai.rules import HTTPError
 
 
 class Answer:
-    def __init__(self, frontend, req, kind: str, state, *, prompt_text: str | None = None):
+    def __init__(self, frontend, req, kind: str, state, *, prompt_text: str | None = None, tool_parser=None):
         self.frontend, self.req, self.kind, self.state = frontend, req, kind, state
         self.engine, self.metrics = frontend.engine, frontend.gateway.metrics
         self.states = list(getattr(state, "samples", None) or [state])
@@ -41,6 +48,7 @@ class Answer:
         if self.echo:
             self.prompt_text = prompt_text if prompt_text is not None else \
                 self.engine.tokenizer.decode(state.prompt_token_ids)
+        self.tool_parser = tool_parser
         frontend.active.update(self.rids)
 
     # ---- shapes ---------------------------------------------------------------------------
@@ -58,6 +66,14 @@ class Answer:
             return None
         entries = schema.prompt_entries(self.state.prompt_token_ids, scored)
         return schema.completion_logprobs(self.engine.tokenizer, entries, 0, len(self.prompt_text))
+
+    @staticmethod
+    def _tool_calls(calls: list[tuple[int, str, ToolCall]]) -> list[dict]:
+        return [{"index": k, "id": call_id, "type": "function",
+                 "function": {"name": call.name, "arguments": call.arguments}} for k, call_id, call in calls]
+
+    def _tool_reason(self, reason: str, called: bool) -> str:
+        return "tool_calls" if called and reason == "stop" else schema.finish_reason(reason)
 
     def _choice(self, index: int, text: str, logprobs, reason: str | None, *, stream: bool) -> dict:
         if self.kind == "text_completion":
@@ -113,6 +129,17 @@ class Answer:
             final, entries = results[i]
             text = final.text
             logprobs = self._logprobs(entries, text, len(self.prompt_text))
+            if self.tool_parser is not None:
+                reader = ToolStream(self.tool_parser)
+                content, calls = reader.feed(text)
+                more, later = reader.finish()
+                calls = self._tool_calls(calls + later)
+                message = {"role": "assistant", "content": (content + more) or (None if calls else "")}
+                if calls:
+                    message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
+                choices.append({"index": index, "message": message, "logprobs": logprobs,
+                                "finish_reason": self._tool_reason(final.finish_reason, bool(calls))})
+                continue
             if self.echo:
                 logprobs = schema.join_logprobs(self._echo_logprobs(results[0][0].prompt_logprobs), logprobs)
                 text = self.prompt_text + text
@@ -143,6 +170,18 @@ class Answer:
         failed = False
         echoed = not self.echo
         held: list = []  # other samples' output until the echo went out (it leads every choice)
+        readers = [ToolStream(self.tool_parser) for _ in self.states] if self.tool_parser is not None else None
+
+        def tool_frames(i: int, content: str, calls: list, logprobs) -> list[bytes]:
+            frames = []
+            if content or logprobs:
+                frames.append(_sse(self._envelope([{"index": i, "delta": {"content": content}, "logprobs": logprobs,
+                                                    "finish_reason": None}], stream=True, **usage_none)))
+            if calls:
+                frames.append(_sse(self._envelope([{"index": i, "delta": {"tool_calls": self._tool_calls(calls)},
+                                                    "logprobs": None, "finish_reason": None}],
+                                                  stream=True, **usage_none)))
+            return frames
 
         def echo_frames(scored) -> list[bytes]:
             logprobs = self._echo_logprobs(scored)
@@ -162,8 +201,16 @@ class Answer:
                             frames.append(_sse(schema.error_body(f"the engine failed on this request: {item.error}",
                                                                  kind="server_error", code="engine_error")))
                     else:
-                        finish = self._choice(i, "", None, schema.finish_reason(item.finish_reason), stream=True)
+                        reason = schema.finish_reason(item.finish_reason)
+                        if readers is not None:
+                            content, calls = readers[i].finish()
+                            frames += tool_frames(i, content, calls, None)
+                            reason = self._tool_reason(item.finish_reason, bool(readers[i].calls))
+                        finish = self._choice(i, "", None, reason, stream=True)
                         frames.append(_sse(self._envelope([finish], stream=True, **usage_none)))
+                elif readers is not None:
+                    content, calls = readers[i].feed(item.text)
+                    frames += tool_frames(i, content, calls, self._logprobs(item.logprobs, item.text, 0))
                 elif item.text or item.logprobs:
                     logprobs = self._logprobs(item.logprobs, item.text, offsets[i])
                     offsets[i] += len(item.text)

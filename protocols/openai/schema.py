@@ -2,7 +2,7 @@
 response shapes (chat.completion, text_completion, their stream chunks, errors).
 
 Fields OpenAI defines that change what is generated and that tokenloom cannot honour
-(``tools``, ``suffix``, non-text content parts) are refused
+(``suffix``, non-text content parts) are refused
 with a 400 naming the field; fields that only describe the caller (``user``, ``metadata``,
 ``store``, ...) and unknown fields are ignored, as OpenAI's own server and vLLM ignore what
 they do not use. ``n`` (up to 128) samples the prompt n times, the prompt prefilled once
@@ -14,6 +14,8 @@ completion and, with ``logprobs``, the prompt tokens' logprobs (the first one's 
 Extensions in vLLM's spirit: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``, and tokenloom's ``decoder``, ``num_speculative_tokens`` and the latency
 targets ``slo_class``, ``ttft_ms``, ``tpot_ms`` (see SamplingParams).
+Tool calling (``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant ``tool_calls``
+and ``tool`` messages in history) is :mod:`tokenloom.core.tools`.
 Log-probabilities: chat's ``top_logprobs`` in [0, 20] as OpenAI bounds it (a value out of
 range is refused naming ``top_logprobs``); the completions endpoint's ``logprobs: N`` in
 [0, 20] too (OpenAI's legacy endpoint stops at 5). Error messages quote a client's value
@@ -26,6 +28,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from tokenloom.core import tools
 from tokenloom.core.errors import ClientError, quoted
 from tokenloom.core.sampling_params import MAX_N, Constraint, SamplingParams
 from tokenloom.protocols.websocket.messages import MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_TOKEN_ID
@@ -43,10 +46,23 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: Text | None = None
 
 
+class FunctionCallIn(msgspec.Struct, kw_only=True):
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    arguments: Text = "{}"
+
+
+class ToolCallIn(msgspec.Struct, kw_only=True):
+    function: FunctionCallIn
+    id: Annotated[str, msgspec.Meta(max_length=128)] | None = None
+    type: str = "function"
+
+
 class ChatMessageIn(msgspec.Struct, kw_only=True):
     role: Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
     content: Text | list[ContentPart] | None = None
     name: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    tool_calls: Annotated[list[ToolCallIn], msgspec.Meta(max_length=128)] | None = None
+    tool_call_id: Annotated[str, msgspec.Meta(max_length=128)] | None = None
 
 
 class _Sampling(msgspec.Struct, kw_only=True):
@@ -89,7 +105,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: Annotated[list[Any], msgspec.Meta(max_length=128)] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
 
@@ -166,8 +184,7 @@ def _refuse_unsupported(req: _Sampling) -> None:
     if req.n is not None and not 1 <= req.n <= MAX_N:
         raise ClientError.bad_value("n", req.n, f"in [1, {MAX_N}]")
     if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            raise ClientError("tools (function calling) are not supported", param="tools")
+        tool_request(req)
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ClientError.bad_value("top_logprobs", req.top_logprobs, f"in [0, {MAX_TOP_LOGPROBS}]")
         if req.top_logprobs is not None and not req.logprobs:
@@ -184,9 +201,15 @@ def _refuse_unsupported(req: _Sampling) -> None:
             raise ClientError("suffix (insertion) is not supported", param="suffix")
 
 
+def tool_request(req: ChatCompletionRequest) -> tools.ToolRequest | None:
+    return tools.tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
+
+
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     """Messages as the chat template takes them: text parts joined, ``developer`` as
-    ``system`` (OpenAI's newer name for it)."""
+    ``system`` (OpenAI's newer name for it); an assistant's ``tool_calls`` and a ``tool``
+    message's ``tool_call_id`` kept in OpenAI's shape (:func:`tokenloom.core.tools.chat_messages`
+    writes them for the template)."""
     out = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -197,10 +220,19 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
                                       param="messages")
             content = "".join(p.text for p in content)
         role = "system" if m.role == "developer" else m.role
-        if role not in ("system", "user", "assistant"):
-            raise ClientError(f"messages[{i}].role must be system, developer, user or assistant, got {m.role!r}",
-                              param="messages")
-        out.append({"role": role, "content": content or ""})
+        if role not in ("system", "user", "assistant", "tool"):
+            raise ClientError(f"messages[{i}].role must be system, developer, user, assistant or tool, "
+                              f"got {m.role!r}", param="messages")
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if m.tool_calls:
+            if role != "assistant":
+                raise ClientError(f"messages[{i}]: only an assistant message has tool_calls", param="messages")
+            message["tool_calls"] = [{"id": c.id or f"call_{i}_{j}", "type": "function",
+                                      "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                     for j, c in enumerate(m.tool_calls)]
+        if role == "tool":
+            message["tool_call_id"] = m.tool_call_id or ""
+        out.append(message)
     return out
 
 
@@ -235,9 +267,12 @@ def num_samples(req: _Sampling) -> int:
     return max(n, best_of or n)
 
 
-def sampling_params(req: _Sampling, num_logprobs: int | None) -> tuple[SamplingParams, bool]:
+def sampling_params(req: _Sampling, num_logprobs: int | None,
+                    tool_constraint: Constraint | None = None) -> tuple[SamplingParams, bool]:
     """SamplingParams for the request (validated later, naming the field), and whether
-    max_tokens was left open (then the rest of the context is the limit). Ranking
+    max_tokens was left open (then the rest of the context is the limit).
+    ``tool_constraint``: the grammar of ``tool_choice`` ``required`` or a named function,
+    which no other constraint may join. Ranking
     ``best_of`` samples needs each token's logprob: asked for here (``logprobs=0``) if the
     client did not; echo with logprobs (or with ``max_tokens: 0``) asks for the prompt's."""
     max_tokens = req.max_tokens
@@ -256,10 +291,16 @@ def sampling_params(req: _Sampling, num_logprobs: int | None) -> tuple[SamplingP
     prompt_logprobs = None
     if isinstance(req, CompletionRequest) and req.echo and (req.logprobs is not None or max_tokens == 0):
         prompt_logprobs = req.logprobs or 0
+    chosen = constraint(req)
+    if tool_constraint is not None:
+        if chosen is not None:
+            raise ClientError(f"tool_choice {'required' if req.tool_choice == 'required' else 'naming a function'} "
+                              f"cannot be combined with {chosen.param}", param="tool_choice")
+        chosen = tool_constraint
     params = SamplingParams(**fields, max_tokens=max_tokens if max_tokens is not None else 1, stop=stop,
                             stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
                             logprobs=num_logprobs, logit_bias=logit_bias(req), n=n, prompt_logprobs=prompt_logprobs,
-                            constraint=constraint(req))
+                            constraint=chosen)
     return params, max_tokens is None
 
 

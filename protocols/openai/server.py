@@ -40,6 +40,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from tokenloom.core import tools
 from tokenloom.core.errors import ClientError, EngineUnavailable, quoted
 from tokenloom.protocols.connections import install_accept_guard
 from tokenloom.protocols.gateway import RateLimited, Refused
@@ -75,6 +76,9 @@ class OpenAIFrontend:
         # name is accepted too.
         self.model = options.served_model_name or self.engine.config.engine.model
         self.aliases = {self.model, self.engine.model_name}
+        self.tool_parser = tools.build_parser(self.engine.pm, self.engine.config.engine.tool_call_parser,
+                                              self.engine.tokenizer.chat_template)
+        self.native_tools = tools.template_reads_tools(self.engine.tokenizer.chat_template)
         self.active: set[str] = set()  # engine ids of requests being answered
         self.background: set[asyncio.Task] = set()
         self._limiters: OrderedDict[str, RateLimiter] = OrderedDict()
@@ -177,8 +181,10 @@ class OpenAIFrontend:
     async def chat_completions(self, request: Request) -> Response:
         req = schema.decode_request(await self._body(request), schema.ChatCompletionRequest)
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return await self._generate(request, req, "chat.completion", num_logprobs,
-                                    messages=schema.chat_messages(req))
+        asked = schema.tool_request(req)
+        messages = tools.chat_messages(schema.chat_messages(req), asked, self.tool_parser, self.native_tools)
+        return await self._generate(request, req, "chat.completion", num_logprobs, messages=messages, tool_request=asked,
+                                    tools=asked.tools if asked is not None and self.native_tools else None)
 
     async def completions(self, request: Request) -> Response:
         req = schema.decode_request(await self._body(request), schema.CompletionRequest)
@@ -224,14 +230,16 @@ class OpenAIFrontend:
         return limiter
 
     async def _generate(self, request: Request, req, kind: str, num_logprobs: int | None, *,
-                        echo_text: str | None = None, **prompt) -> Response:
+                        echo_text: str | None = None, tool_request: tools.ToolRequest | None = None,
+                        **prompt) -> Response:
         """Admission through the gateway (reserve a queue slot, charge the rate limits,
         tokenise, submit), then the answer."""
         if req.model not in self.aliases:
             raise HTTPError(404, f"The model {quoted(req.model)} does not exist; this server serves {self.model!r}",
                             param="model", code="model_not_found")
         gateway, limiter = self.gateway, self._limiter(request)
-        params, open_ended = schema.sampling_params(req, num_logprobs)
+        tool_constraint = tools.constraint(tool_request, self.tool_parser) if tool_request is not None else None
+        params, open_ended = schema.sampling_params(req, num_logprobs, tool_constraint)
         try:
             gateway.reserve()
             try:
@@ -251,7 +259,8 @@ class OpenAIFrontend:
                             retry_after_ms=exc.retry_after_ms) from None
         except ClientError as exc:
             raise client_error(exc, req) from None
-        answer = Answer(self, req, kind, state, prompt_text=echo_text)
+        parser = self.tool_parser if tool_request is not None and tool_request.parses else None
+        answer = Answer(self, req, kind, state, prompt_text=echo_text, tool_parser=parser)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return answer.events_response(include_usage, gateway.options.send_timeout_s)
