@@ -7,6 +7,14 @@ request's :class:`~tokenloom.core.sampling_params.Constraint`; each sequence hol
 committed output tokens (``AsyncEngine._take_tokens`` accepts each one as it is appended);
 preemption by recompute keeps a sequence's tokens, so the matcher stays where it was.
 
+Ordering under ``engine.overlap``: the engine overlaps a step with the *publishing* of the
+previous step's outputs (detokenising, streaming), never with its commit. A step's tokens
+are committed, and so accepted by their matchers, in ``AsyncEngine._commit`` before the next
+schedule, so every mask is filled after the row's previous token was accepted; a
+constrained row costs the overlap nothing. What it does cost is on the step thread: one
+``fill_bitmask`` per constrained row per step (plus one per draft position under a
+speculative decoder) and the masking itself.
+
 The mask applies in :meth:`~tokenloom.core.sampler.Sampler.apply_penalties`, before the
 logit bias and every other rule, on every row the sampler sees. A speculative verification
 row that has seen drafts gets the mask of the grammar *after* those drafts: the matcher is
