@@ -19,9 +19,11 @@ $(STAMP): pyproject.toml examples/tokenloom-example-plugin/pyproject.toml
 	# The `triton` backend (`.[triton]`); a CUDA torch brings its own. Without a GPU its kernel
 	# tests run under Triton's interpreter. --no-deps: it must not pull another torch.
 	if ! $(PY) -c "import triton" 2>/dev/null; then $(PIP) install -q --no-deps 'triton==3.8.0'; fi
-	# Structured outputs (`.[structured]`: the xgrammar grammar backend), tested like every role;
-	# --no-deps for the same reason (its other needs, transformers and triton, are here already).
+	# Structured outputs (`.[structured]`: the xgrammar and llguidance grammar backends), tested
+	# like every role; --no-deps for the same reason (xgrammar's other needs, transformers and
+	# triton, are here already; llguidance has none).
 	if ! $(PY) -c "import xgrammar" 2>/dev/null; then $(PIP) install -q --no-deps 'xgrammar==0.2.9' 'apache-tvm-ffi==0.1.15.post2'; fi
+	if ! $(PY) -c "import llguidance" 2>/dev/null; then $(PIP) install -q --no-deps 'llguidance==1.9.1'; fi
 	$(PIP) install -q -e examples/tokenloom-example-plugin
 	# The playground test drives the system's Chromium (Playwright cannot download a browser
 	# here); as root with apt, install Debian's. Elsewhere that test skips, saying why.
