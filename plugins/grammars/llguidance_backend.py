@@ -143,7 +143,7 @@ class LLGuidanceBackend:
                     import llguidance
                 except ImportError as exc:
                     raise ClientError(f"{INSTALL_HINT} ({exc})", param=param) from None
-                self._ll_tokenizer = ll_tokenizer(llguidance, self.tokenizer, self.vocab_size)
+                self._ll_tokenizer = ll_tokenizer(llguidance, self.tokenizer, self.vocab_size, param)
                 self._eos = frozenset(self._ll_tokenizer.eos_tokens)
             return self._ll_tokenizer
 
@@ -191,15 +191,15 @@ class LLGuidanceBackend:
         return LLGuidanceMatcher(compiled.deep_copy(), self._eos, self.vocab_size)
 
 
-def ll_tokenizer(llguidance: Any, tokenizer: Any, vocab_size: int) -> Any:
+def ll_tokenizer(llguidance: Any, tokenizer: Any, vocab_size: int, param: str = "constraint") -> Any:
     """llguidance's tokenizer over the engine's: each token's bytes as the engine reads them
     (``Tokenizer.token_bytes``), the special tokens marked special (never text), the engine's
     stop tokens, ``vocab_size`` ids (the logits' width: ids past the tokenizer's are empty
     and never allowed)."""
     eos = sorted(e for e in tokenizer.eos_token_ids if e < vocab_size)
     if not eos:
-        raise ClientError("structured outputs need the model to have a stop token below its vocabulary size",
-                          param="constraint")
+        raise ClientError(f"{param}: structured outputs need the model to have a stop token below its vocabulary size",
+                          param=param)
     n = min(tokenizer.vocab_size, vocab_size)
     special = sorted(i for i in tokenizer.special_ids if i < n)
 
