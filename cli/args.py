@@ -67,7 +67,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantizer", help="gguf, none, int8, rtn, fp8, gptq, awq (default: what the checkpoint says)")
     g.add_argument("--tool-call-parser", metavar="NAME",
                    help="how the model writes tool calls: auto (by the chat template), hermes, mistral, llama3_json")
-    g.add_argument("--grammar-backend", metavar="NAME", help="structured outputs: xgrammar (default)")
+    g.add_argument("--grammar-backend", metavar="NAME", help="structured outputs: xgrammar (default) or llguidance")
     g.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "int8"], help="KV cache storage (auto: the dtype)")
     g.add_argument("--max-num-seqs", type=int)
     g.add_argument("--max-num-batched-tokens", type=int)

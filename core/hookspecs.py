@@ -179,7 +179,7 @@ def register_grammars(register: Register) -> None:
     """Register grammar backends: structured outputs (``SamplingParams.constraint``).
 
     Called once per plugin manager, at start-up. The engine builds the one that
-    ``engine.grammar_backend`` names (``xgrammar``, built in, by default).
+    ``engine.grammar_backend`` names (built in: ``xgrammar``, the default, and ``llguidance``).
 
     :param register: as for :func:`register_schedulers`; ``factory(options, tokenizer,
         vocab_size)``, with the engine's :class:`tokenloom.core.tokenizer.Tokenizer` and the

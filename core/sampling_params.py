@@ -62,7 +62,8 @@ class Constraint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
     ``kind``: ``json`` (any JSON value; ``value`` unset), ``json_schema`` (``value`` a JSON
     schema object), ``regex`` (``value`` a regular expression), ``grammar`` (``value`` an
-    EBNF grammar in xgrammar's dialect, rule ``root`` first), ``choice`` (``value`` a list of
+    grammar in the grammar backend's dialect: EBNF with rule ``root`` first for ``xgrammar``,
+    Lark or such EBNF for ``llguidance``), ``choice`` (``value`` a list of
     strings: the output is exactly one of them), ``tagged_json`` (``value`` a dict: between
     ``min`` and ``max`` JSON values, each valid under ``schema`` and written as ``begin``,
     the compact JSON, ``end``, joined by ``separator``; how a tool parser forces its call
