@@ -10,6 +10,7 @@ from tokenloom.core.plugins import PluginManager
 
 
 def add_bench_parser(sub) -> None:
+    from tokenloom.bench import structured
     from tokenloom.cli.args import add_engine_args
 
     bench = sub.add_parser("bench", help="benchmarks: offline combinations, decode speed")
@@ -123,6 +124,8 @@ def add_bench_parser(sub) -> None:
     add_engine_args(so)
     so.set_defaults(func=cmd_bench)
 
+    structured.add_parser(bsub, add_engine_args, cmd_bench)
+
 
 def _add_serve_bench(bsub) -> None:
     from tokenloom.bench.serve import cmd_serve_bench
@@ -167,7 +170,18 @@ class Bench(NamedTuple):
 
 def benches() -> dict[str, Bench]:
     """Every engine-backed bench by its sub-command name (imported only when a bench runs)."""
-    from tokenloom.bench import decode, kernels, offline, peers, plot, prefix, quant, slo, spec
+    from tokenloom.bench import (
+        decode,
+        kernels,
+        offline,
+        peers,
+        plot,
+        prefix,
+        quant,
+        slo,
+        spec,
+        structured,
+    )
 
     return {
         "offline": Bench(offline.run_offline, offline.format_table, plot.plot_offline),
@@ -178,6 +192,7 @@ def benches() -> dict[str, Bench]:
         "peers": Bench(peers.run_peers, peers.format_peers, plot.plot_peers),
         "prefix": Bench(prefix.run_prefix, prefix.format_prefix),
         "slo": Bench(slo.run_slo, slo.format_slo, plot.plot_slo),
+        "structured": Bench(structured.run_structured, structured.format_structured),
     }
 
 

@@ -164,6 +164,39 @@ def test_offline_and_decode_commands_on_a_tiny_model(tiny_model_dir, tmp_path):
     assert "weight matmuls" in dec.stdout and "aten::" in dec.stdout
 
 
+def test_structured_command_on_a_tiny_model(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    pytest.importorskip("xgrammar")
+    model = tmp_path / "tiny"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = 4096  # the tool prompt describes both tools: ~1,500 byte tokens
+    (model / "config.json").write_text(json.dumps(config))
+    out = subprocess.run([sys.executable, "-m", "tokenloom.cli.main", "bench", "structured", "--batch-sizes", "1,2",
+                          "--max-tokens", "6", "--gap-requests", "3", "--gap-before", "4", "--json",
+                          str(tmp_path / "s.json"), "--model", str(model), "--dtype", "float32", "--num-kv-blocks",
+                          "512", "--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads((tmp_path / "s.json").read_text())
+    cases = ["unconstrained", "json schema (trip plan)", "regex (three day lines)",
+             "tool calls (2 tools, required, hermes)"]
+    assert [(r["case"], r["batch_size"]) for r in report["decode"]] == [(c, b) for c in cases for b in (1, 2)]
+    assert all(r["failed"] == 0 and 0 < r["output_tokens"] <= 6 * r["batch_size"] for r in report["decode"])
+    kinds = [r["kind"] for r in report["compile"]["rows"]]
+    assert kinds[:3] == ["json_schema", "regex", "tagged_json"] and len(kinds) == 6
+    assert report["gap"]["new"]["requests"] == report["gap"]["cached"]["requests"] == 3
+    assert report["gap"]["new"]["failed"] == 0
+    for row in ("| unconstrained | 1 |", "| tool calls (2 tools, required, hermes) | 2 |",
+                "| json schema (invoice, $ref) | json_schema |", "| 3 new (compiled then)",
+                "| the same 3 again (cached)"):
+        assert row in out.stdout, row
+    assert "bench structured --batch-sizes 1,2" in out.stdout and "machine: " in out.stdout and "torch " in out.stdout
+
+
 @pytest.mark.slow
 async def test_soak_loses_nothing_under_overload_and_disconnects(make_server):
     """A short soak (the 10-minute one is `tokenloom bench serve --duration 600`): Poisson
