@@ -49,8 +49,14 @@ SCHEMA_KEYWORDS = frozenset({
     "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
     "minProperties", "maxProperties", "patternProperties", "propertyNames", "unevaluatedProperties",
     "unevaluatedItems", "additionalItems", "title", "description", "default", "examples", "$schema", "$id",
-    "$comment", "deprecated", "readOnly", "writeOnly",
+    "$comment", "deprecated", "readOnly", "writeOnly", "discriminator",
 })
+# Keywords that only annotate, or hold definitions: what may stand beside ``$ref``, ``anyOf`` or
+# ``oneOf``, whose siblings xgrammar drops (``{"$ref": ..., "minimum": 1}`` takes any value of
+# the referenced schema). ``discriminator`` (OpenAPI's, written by pydantic for a
+# discriminated union) names the property whose ``const`` tells the branches apart.
+_SCHEMA_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment",
+                                 "deprecated", "readOnly", "writeOnly", "discriminator", "$defs", "definitions"})
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> subschema
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")  # [subschema]
 _SCHEMA_ONE = ("items", "additionalProperties", "propertyNames", "unevaluatedProperties", "unevaluatedItems",
@@ -118,6 +124,32 @@ def check_schema(schema: object, param: str, depth: int = 0) -> None:
     _walk_schema(schema, param, "#", depth)
 
 
+def _check_combination(schema: dict, param: str, path: str) -> None:
+    """Refuse keywords the grammar backend would ignore where they stand (xgrammar 0.2: a
+    ``maxLength`` beside a ``pattern`` or ``format``, a ``multipleOf`` on anything but an
+    integer, every ``allOf`` entry but one, a constraint beside ``$ref``/``anyOf``/``oneOf``)."""
+    def refuse(key: str, why: str) -> None:
+        raise ClientError(f"{param}: JSON schema keyword {key!r} (at {path}) is not supported {why}", param=param,
+                          value=key)
+
+    for length in ("minLength", "maxLength"):
+        if length in schema and ("pattern" in schema or "format" in schema):
+            refuse(length, f"beside {'pattern' if 'pattern' in schema else 'format'} (it would be ignored)")
+    if "multipleOf" in schema:
+        types = schema.get("type")
+        types = types if isinstance(types, list) else [types]
+        if "integer" not in types or "number" in types or not isinstance(schema["multipleOf"], int) \
+                or isinstance(schema["multipleOf"], bool):
+            refuse("multipleOf", "except as an integer on an integer schema (it would be ignored)")
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        refuse("allOf", "with more than one subschema (all but one would be ignored)")
+    for combinator in ("$ref", "anyOf", "oneOf"):
+        if combinator in schema:
+            extra = sorted(k for k in schema if k != combinator and k not in _SCHEMA_ANNOTATIONS)
+            if extra:
+                refuse(extra[0], f"beside {combinator!r} (it would be ignored)")
+
+
 def _walk_schema(schema: object, param: str, path: str, depth: int) -> None:
     if isinstance(schema, bool):
         return
@@ -125,10 +157,12 @@ def _walk_schema(schema: object, param: str, path: str, depth: int) -> None:
         raise ClientError(f"{param}: the JSON schema at {path} must be an object or a boolean", param=param)
     if depth > MAX_SCHEMA_DEPTH:
         raise ClientError(f"{param}: the JSON schema nests deeper than {MAX_SCHEMA_DEPTH}", param=param)
-    for key, sub in schema.items():
+    for key in schema:
         if key not in SCHEMA_KEYWORDS:
             raise ClientError(f"{param}: JSON schema keyword {key!r} (at {path}) is not supported", param=param,
                               value=key)
+    _check_combination(schema, param, path)
+    for key, sub in schema.items():
         if key in _SCHEMA_MAPS:
             if not isinstance(sub, dict):
                 raise ClientError(f"{param}: {key!r} at {path} must be an object", param=param)
