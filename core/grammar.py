@@ -62,15 +62,16 @@ class GrammarState:
     def allowed(self, drafts: list[int] = ()) -> torch.Tensor | None:  # type: ignore[assignment]
         """``[vocab_size]`` bool: the tokens allowed after the committed tokens and ``drafts``;
         ``None`` (no restriction) where a draft is itself forbidden (that row is never used:
-        verification rejects the draft before it)."""
+        verification rejects the draft before it) or where a draft completed the grammar
+        with a stop token (the sequence ends there; a terminated matcher has no next mask)."""
         m = self.matcher
         advanced = 0
         for d in drafts:
-            if not m.accept_token(d):
+            if m.is_terminated() or not m.accept_token(d):
                 break
             advanced += 1
         try:
-            if advanced < len(drafts):
+            if advanced < len(drafts) or (advanced and m.is_terminated()):
                 return None
             m.fill_bitmask(self._bitmask, 0)
         finally:

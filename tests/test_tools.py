@@ -331,3 +331,27 @@ def test_no_utf8_surrogates_in_constrained_strings(tiny_model_dir):
         m.rollback(1)
         m.fill_bitmask(bitmask)  # after the rollback the byte is allowed again as a start
         assert bool((bitmask[0, byte_id[b"\xed"] // 32] >> (byte_id[b"\xed"] % 32)) & 1)
+
+
+def test_a_drafted_stop_token_gives_no_mask_and_no_crash(tiny_model_dir):
+    """A speculative row after a draft that completed the grammar with the stop token is
+    never used; asking a terminated xgrammar matcher for its next mask would abort the step."""
+    pytest.importorskip("xgrammar")
+    from tokenloom.core.grammar import GrammarState
+    from tokenloom.core.sampling_params import Constraint
+    from tokenloom.core.tokenizer import Tokenizer
+    from tokenloom.plugins.grammars.xgrammar_backend import XGrammarBackend
+
+    tok = Tokenizer.from_hf_dir(tiny_model_dir, json.loads((tiny_model_dir / "config.json").read_text()))
+    backend = XGrammarBackend(None, tok, tok.vocab_size)
+    state = GrammarState(backend.matcher(backend.compile(Constraint(kind="regex", value="ab"))), tok.vocab_size)
+    a, b = tok.encode("a", add_bos=False)[0], tok.encode("b", add_bos=False)[0]
+    eos = min(tok.eos_token_ids)
+    assert state.allowed([a, b, eos]) is None and state.allowed([a, b, eos, a]) is None
+    after = state.allowed([a, b])
+    assert after is not None and after.nonzero().flatten().tolist() == [eos]
+    assert state.allowed([a]).nonzero().flatten().tolist() == [b]  # the matcher was rolled back each time
+    # special tokens other than the stop token are never allowed, not even where text is free
+    free = GrammarState(backend.matcher(backend.compile(Constraint(kind="regex", value=".{0,4}"))), tok.vocab_size)
+    allowed = free.allowed()
+    assert all(not allowed[i] for i in tok.special_ids if i not in tok.eos_token_ids) and allowed[eos]

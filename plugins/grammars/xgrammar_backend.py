@@ -87,11 +87,14 @@ class XGrammarBackend:
             return self._compiler
 
     def _mask(self, allowed: frozenset[int] | None) -> Any:
-        """Tokens without a UTF-8 surrogate and (``allowed`` not None) without a control byte
-        other than those in ``allowed``."""
+        """Tokens without a UTF-8 surrogate, no special token but the stop tokens (xgrammar
+        reads a special token it was not told of, ``<pad>``, as its characters, and the
+        detokenizer then drops it), and (``allowed`` not None) without a control byte other
+        than those in ``allowed``."""
         with self._lock:
             if allowed not in self._masks:
-                self._masks[allowed] = _no_control_bitmask(self._decoded_vocab, self.vocab_size, allowed)
+                banned = self.tokenizer.special_ids - frozenset(self.tokenizer.eos_token_ids)
+                self._masks[allowed] = _no_control_bitmask(self._decoded_vocab, self.vocab_size, allowed, banned)
             return self._masks[allowed]
 
     def compile(self, constraint: Constraint) -> Any:
@@ -145,12 +148,13 @@ class _Json:
 _SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
 
 
-def _no_control_bitmask(decoded_vocab: list[bytes], vocab_size: int, allowed: frozenset[int] | None):
-    """The bitmask row of tokens with no UTF-8 surrogate and, unless ``allowed`` is None, no
-    byte below 0x20 but those in ``allowed``."""
-    return _bitmask_of([not _SURROGATE.search(b) and (allowed is None or not any(c < 0x20 and c not in allowed
-                                                                                  for c in b))
-                        for b in decoded_vocab[:vocab_size]], vocab_size)
+def _no_control_bitmask(decoded_vocab: list[bytes], vocab_size: int, allowed: frozenset[int] | None,
+                        banned: frozenset[int] = frozenset()):
+    """The bitmask row of tokens not in ``banned``, with no UTF-8 surrogate and, unless
+    ``allowed`` is None, no byte below 0x20 but those in ``allowed``."""
+    return _bitmask_of([i not in banned and not _SURROGATE.search(b) and
+                        (allowed is None or not any(c < 0x20 and c not in allowed for c in b))
+                        for i, b in enumerate(decoded_vocab[:vocab_size])], vocab_size)
 
 
 def _bitmask_of(flags: list[bool], vocab_size: int):
