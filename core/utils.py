@@ -23,6 +23,9 @@ def tensor_bytes(*roots: object) -> int:
             continue
         seen_objects.add(id(obj))
         if isinstance(obj, torch.Tensor):
+            if obj.is_mkldnn or obj.layout != torch.strided:  # opaque (oneDNN-packed) or sparse: no storage
+                storages[id(obj)] = obj.numel() * obj.element_size()
+                continue
             storage = obj.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
         elif isinstance(obj, dict):
