@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any
@@ -57,6 +58,14 @@ SCHEMA_KEYWORDS = frozenset({
 # discriminated union) names the property whose ``const`` tells the branches apart.
 _SCHEMA_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment",
                                  "deprecated", "readOnly", "writeOnly", "discriminator", "$defs", "definitions"})
+# string formats the grammar enforces (xgrammar 0.2); any other would be a free string
+SCHEMA_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
+                            "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
+_TYPED_KEYWORDS = {"minLength": "string", "maxLength": "string", "pattern": "string", "format": "string",
+                   "minimum": "number", "maximum": "number", "exclusiveMinimum": "number",
+                   "exclusiveMaximum": "number", "multipleOf": "number"}
+_JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "null": (type(None),),
+               "array": (list,), "object": (dict,)}
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> subschema
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")  # [subschema]
 _SCHEMA_ONE = ("items", "additionalProperties", "propertyNames", "unevaluatedProperties", "unevaluatedItems",
@@ -148,6 +157,76 @@ def _check_combination(schema: dict, param: str, path: str) -> None:
             extra = sorted(k for k in schema if k != combinator and k not in _SCHEMA_ANNOTATIONS)
             if extra:
                 refuse(extra[0], f"beside {combinator!r} (it would be ignored)")
+    if isinstance(schema.get("oneOf"), list) and "discriminator" not in schema and not _disjoint(schema):
+        refuse("oneOf", "unless its subschemas exclude each other (distinct types, a property with a distinct "
+                        "const in each, or a 'discriminator' as pydantic writes one): it is enforced as anyOf")
+    if "format" in schema and schema["format"] not in SCHEMA_FORMATS:
+        refuse("format", f"with the value {schema['format']!r} (not enforced: any string would pass; "
+                         f"enforced: {', '.join(sorted(SCHEMA_FORMATS))})")
+    if "type" not in schema and not any(k in schema for k in ("$ref", "anyOf", "oneOf", "allOf", "enum", "const")):
+        for key, kind in _TYPED_KEYWORDS.items():
+            if key in schema:
+                refuse(key, f"without a 'type' (give type: {kind!r}; it would be ignored)")
+    if "propertyNames" in schema and "properties" in schema:
+        refuse("propertyNames", "beside 'properties' (it would not apply to them)")
+    for fixed in ("enum", "const"):
+        if fixed in schema:
+            values = schema[fixed] if fixed == "enum" else [schema[fixed]]
+            extra = sorted(k for k in schema if k not in (fixed, "type") and k not in _SCHEMA_ANNOTATIONS)
+            if extra:
+                refuse(extra[0], f"beside {fixed!r} (it would be ignored)")
+            if "type" in schema and isinstance(values, list) and \
+                    not all(_has_type(v, schema["type"]) for v in values):
+                refuse("type", f"beside a {fixed!r} value of another type (the type would be ignored)")
+
+
+def _has_type(value: object, types: object) -> bool:
+    names = types if isinstance(types, list) else [types]
+    for name in names:
+        kinds = _JSON_TYPES.get(name) if isinstance(name, str) else None
+        if kinds is None:
+            continue
+        if isinstance(value, bool) and name not in ("boolean",):
+            continue
+        if name == "integer" and isinstance(value, float):
+            if value.is_integer():
+                return True
+            continue
+        if isinstance(value, kinds):
+            return True
+    return False
+
+
+def _disjoint(schema: dict) -> bool:
+    """Whether no JSON value can match two of ``oneOf``'s subschemas: each has one ``type``
+    and no two share it, or one property holds a ``const`` (or one-value ``enum``) in each,
+    all different (a discriminated union)."""
+    branches = schema["oneOf"]
+    if not all(isinstance(b, dict) for b in branches):
+        return False
+    types = [b.get("type") for b in branches]
+    if all(isinstance(t, str) for t in types) and len(set(types)) == len(types) and \
+            not {"integer", "number"} <= set(types):
+        return True
+    props = [b.get("properties") for b in branches]
+    if not all(isinstance(p, dict) for p in props) or not props:
+        return False
+    for name in props[0]:
+        tags = []
+        for b, p in zip(branches, props, strict=True):
+            sub = p.get(name)
+            if not isinstance(sub, dict) or name not in b.get("required", []):
+                break
+            if "const" in sub:
+                tags.append(json.dumps(sub["const"], sort_keys=True))
+            elif isinstance(sub.get("enum"), list) and len(sub["enum"]) == 1:
+                tags.append(json.dumps(sub["enum"][0], sort_keys=True))
+            else:
+                break
+        else:
+            if len(set(tags)) == len(tags):
+                return True
+    return False
 
 
 def _walk_schema(schema: object, param: str, path: str, depth: int) -> None:
@@ -174,6 +253,8 @@ def _walk_schema(schema: object, param: str, path: str, depth: int) -> None:
             for i, s in enumerate(sub):
                 _walk_schema(s, param, f"{path}/{key}/{i}", depth + 1)
         elif key in _SCHEMA_ONE:
+            if key == "propertyNames" and isinstance(sub, dict) and "type" not in sub:
+                sub = {**sub, "type": "string"}  # a property name is a string
             _walk_schema(sub, param, f"{path}/{key}", depth + 1)
 
 

@@ -487,6 +487,14 @@ REFUSED = [
     (_with({"allOf": [{"required": ["a"]}, {"required": ["b"]}]}, a=int, b=int), "allOf"),
     (_with({"properties": {"v": {"anyOf": [{"type": "integer"}, {"type": "string"}], "minimum": 5}}},
            v=Union[int, str]), "minimum"),
+    # and where they would be weakened: oneOf whose branches overlap, a format the backend does
+    # not know, a typed keyword with no type, propertyNames beside properties, enum with a type
+    # that its values do not have
+    (_with({"properties": {"v": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}}, v=float), "oneOf"),
+    (_with({"properties": {"v": {"type": "string", "format": "password"}}}, v=str), "format"),
+    (_with({"properties": {"v": {"minimum": 3}}}, v=int), "minimum"),
+    (_with({"propertyNames": {"maxLength": 1}}, a=int), "propertyNames"),
+    (_with({"properties": {"v": {"type": "string", "enum": [1, 2]}}}, v=str), "type"),
 ]
 
 
