@@ -8,7 +8,13 @@ probability (sampled). :func:`check_decoder` runs three checks on an engine:
    positions follow the *exact* target distribution, computed from the model's logits with
    the engine's own sampling rules (penalties, temperature, top-k/p, min-p), by a
    chi-square goodness-of-fit test over thousands of draws;
-3. **blocks**: when everything has finished, every KV block is back.
+3. **blocks**: when everything has finished, every KV block is back;
+4. **constrained** (structured outputs, with a grammar backend installed: ``xgrammar``):
+   under each of :data:`KIT_CONSTRAINTS` (a JSON schema and a regex, which the kit
+   model's vocabulary spells), greedy output equals ``standard``'s, and sampled output
+   follows the exact *masked* target distribution (the same chi-square test; a sequence
+   whose grammar completed counts as "ended" at the positions after it). Without
+   xgrammar these cases are skipped with a :class:`ConformanceSkipped` warning.
 
 Use it from pytest::
 
@@ -36,14 +42,17 @@ cached prefix::
         check_model(my_checkpoint_dir, plugins=[my_plugin], reference=my_reference_forward)
 
 The tiny model (:func:`make_tiny_model`) is a random LLaMA in the Hugging Face layout with a
-vocabulary of a dozen tokens, so a few thousand draws pin the distribution down. Its prompt
+vocabulary of a dozen tokens, so a few thousand draws pin the distribution down; the tokens
+are pieces of JSON (:data:`KIT_PIECES`), so that a grammar can constrain it. Its prompt
 (:data:`KIT_PROMPT`) repeats a pattern, so a prompt-lookup decoder finds drafts to verify.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import warnings
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,9 +67,10 @@ if TYPE_CHECKING:
         check_backend,
     )
 
-__all__ = ["KIT_BACKEND_CASES", "KIT_PROMPT", "KIT_SAMPLING", "BackendCase", "ConformanceError", "check_backend",
-           "check_blocks_back", "check_decoder", "check_distribution", "check_greedy_identical", "chi_square",
-           "exact_marginals", "make_tiny_model", "MODEL_KIT_PROMPTS", "check_model"]
+__all__ = ["KIT_BACKEND_CASES", "KIT_CONSTRAINTS", "KIT_PIECES", "KIT_PROMPT", "KIT_SAMPLING", "BackendCase",
+           "ConformanceError", "ConformanceSkipped", "check_backend", "check_blocks_back", "check_constrained",
+           "check_decoder", "check_distribution", "check_greedy_identical", "chi_square", "exact_marginals",
+           "make_tiny_model", "MODEL_KIT_PROMPTS", "check_model"]
 
 #: The backend kit lives in tokenloom/backends/conformance.py (its own module: one concept,
 #: and ~300 lines); ``from tokenloom.testing import check_backend`` loads it on first use.
@@ -83,15 +93,36 @@ KIT_SAMPLING: tuple[dict[str, Any], ...] = (
      "frequency_penalty": 0.2},
 )
 
+#: the kit model's tokens (ids 0..10; EOS is the last id): pieces of JSON, so that a JSON
+#: schema and a regex can constrain what the model writes (the separators are ``json.dumps``'s,
+#: which xgrammar's JSON grammars require)
+KIT_PIECES = ("{", "}", '"a"', '"b"', ": ", ", ", "[", "]", "0", "1", "2")
+#: constraints the constrained cases decode under, as ``Constraint`` fields: a JSON object
+#: (optional keys: the first tokens branch) and a comma list of numbers. Each of them allows
+#: several tokens at most positions and EOS (the end of the answer) at some.
+KIT_CONSTRAINTS: tuple[dict[str, Any], ...] = (
+    {"kind": "json_schema", "value": {
+        "type": "object", "properties": {
+            "a": {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": 4},
+            "b": {"type": "integer", "minimum": 0}},
+        "additionalProperties": False}},
+    {"kind": "regex", "value": "[12][012]*(, [012]+)*"},
+)
+
 
 class ConformanceError(AssertionError):
     """A decoder changed the output (greedy tokens, a sampled distribution) or leaked blocks."""
 
 
+class ConformanceSkipped(UserWarning):
+    """A part of a kit could not run here (e.g. the constrained cases without xgrammar)."""
+
+
 def make_tiny_model(path: str | Path, *, vocab_size: int = 12, seed: int = 0, num_layers: int = 2,
                     hidden_size: int = 32, logit_scale: float = 3.0) -> Path:
     """Write a random LLaMA (config.json, model.safetensors, a word-level tokenizer.json of
-    ``vocab_size`` tokens ``t0``..; the last one is EOS) to ``path``; returns the path.
+    ``vocab_size`` tokens: :data:`KIT_PIECES`, then ``t11``..; the last one, ``t{vocab_size - 1}``,
+    is EOS) to ``path``; returns the path.
     ``logit_scale`` multiplies the output head so the distributions are far from uniform."""
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -126,9 +157,10 @@ def make_tiny_model(path: str | Path, *, vocab_size: int = 12, seed: int = 0, nu
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "rope_theta": 10000.0,
         "rms_norm_eps": 1e-5, "max_position_embeddings": 256, "tie_word_embeddings": False,
         "bos_token_id": None, "eos_token_id": vocab_size - 1}))
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    names = [KIT_PIECES[i] if i < len(KIT_PIECES) else f"t{i}" for i in range(vocab_size - 1)] + [f"t{vocab_size - 1}"]
+    vocab = {name: i for i, name in enumerate(names)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=names[0]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # text is the pieces, space-separated
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"t{vocab_size - 1}"}))
     return path
@@ -161,7 +193,12 @@ def chi_square(counts: Seq[int], probs: Seq[float], min_expected: float = 5.0) -
 def exact_marginals(llm, prompt: list[int], params, depth: int) -> list[torch.Tensor]:
     """The exact law of each of the first ``depth`` generated tokens under ``params`` (the
     engine's own sampling rules, history-dependent penalties included), by enumerating every
-    path (``vocab ** (depth - 1)`` prefills: keep the vocabulary tiny)."""
+    path (``vocab ** (depth - 1)`` prefills: keep the vocabulary tiny).
+
+    With ``params.constraint`` every path's rows are masked by its grammar (a matcher that
+    has accepted the path's tokens, as the engine's sampler masks them), and each law has
+    one more cell, last: the answer has ended (its grammar completed at an earlier token)."""
+    from tokenloom.core.grammar import GrammarState
     from tokenloom.core.sampler import SamplingRow
     from tokenloom.plugins.decoders.verify import target_probs
 
@@ -170,7 +207,18 @@ def exact_marginals(llm, prompt: list[int], params, depth: int) -> list[torch.Te
     from tokenloom.core.sampling_params import SamplingParams
     from tokenloom.core.sequence import Sequence
 
-    def next_probs(ids: list[int]) -> torch.Tensor:
+    compiled = None if params.constraint is None else engine.grammar.compile(params.constraint)
+
+    def grammar_after(ids: list[int]) -> GrammarState | None:
+        if compiled is None:
+            return None
+        state = GrammarState(engine.grammar.matcher(compiled), engine.model_config.vocab_size)
+        for t in ids[len(prompt):]:
+            if not state.accept(t):
+                raise RuntimeError(f"the grammar refused token {t} of a path it allowed")
+        return state
+
+    def next_probs(ids: list[int], grammar: GrammarState | None) -> torch.Tensor:
         seq = Sequence("exact", list(ids), SamplingParams(max_tokens=1))
         if not cache.allocate(seq, len(ids)):
             raise RuntimeError("the KV cache cannot hold the kit's prompt")
@@ -178,62 +226,126 @@ def exact_marginals(llm, prompt: list[int], params, depth: int) -> list[torch.Te
             logits = engine.call_in_step_thread(runner.prefill_logits, ids, cache.block_table(seq))[-1:]
         finally:
             cache.free(seq)
-        row = SamplingRow(params, list(ids), len(prompt), -1)
-        return target_probs(engine.runner.sampler, logits.float(), [row])[0].double()
+        row = SamplingRow(params, list(ids), len(prompt), -1, grammar)
+        p = target_probs(engine.runner.sampler, logits.float(), [row])[0].double()
+        if not bool(torch.isfinite(p).all()) or float(p.sum()) <= 0:
+            raise RuntimeError(f"no token may follow {ids[len(prompt):]} under {params.constraint}: the model's "
+                               "vocabulary cannot continue the constraint")
+        return p
 
     marginals = []
-    frontier = [(list(prompt), 1.0)]
+    frontier: list[tuple[list[int], float, bool]] = [(list(prompt), 1.0, False)]  # (ids, weight, ended)
     for _ in range(depth):
         law = None
-        nxt = []
-        for ids, weight in frontier:
-            p = next_probs(ids)
+        ended = 0.0
+        nxt: list[tuple[list[int], float, bool]] = []
+        for ids, weight, done in frontier:
+            grammar = None if done else grammar_after(ids)
+            if done or (grammar is not None and grammar.terminated):
+                ended += weight
+                nxt.append((ids, weight, True))
+                continue
+            p = next_probs(ids, grammar)
             law = p * weight if law is None else law + p * weight
-            nxt.extend((ids + [t], weight * float(p[t])) for t in torch.nonzero(p > 0).flatten().tolist())
+            nxt.extend((ids + [t], weight * float(p[t]), False) for t in torch.nonzero(p > 0).flatten().tolist())
+        if law is None:  # every path has ended
+            law = torch.zeros(engine.model_config.vocab_size, dtype=torch.float64)
+        if compiled is not None:
+            law = torch.cat([law, law.new_tensor([ended])])
         marginals.append(law)
         frontier = nxt
     return marginals
 
 
-def check_greedy_identical(llm, decoder: str, prompts: Seq[list[int] | str], max_tokens: int = 32) -> None:
-    """Greedy output of ``decoder`` equals ``standard``'s token for token, for every prompt."""
+def check_greedy_identical(llm, decoder: str, prompts: Seq[list[int] | str], max_tokens: int = 32,
+                           constraint: Any = None) -> None:
+    """Greedy output of ``decoder`` equals ``standard``'s token for token, for every prompt
+    (under ``constraint``, a ``Constraint``, when given)."""
     from tokenloom.core.sampling_params import SamplingParams
 
-    base = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    base = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, constraint=constraint)
     want = llm.generate(list(prompts), msgspec.structs.replace(base, decoder="standard"))
     got = llm.generate(list(prompts), msgspec.structs.replace(base, decoder=decoder))
+    under = "" if constraint is None else f" under the {constraint.kind} constraint"
     for i, (a, b) in enumerate(zip(want, got, strict=True)):
         if a.token_ids != b.token_ids:
             first = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)) if x != y),
                          min(len(a.token_ids), len(b.token_ids)))
-            raise ConformanceError(f"greedy: decoder {decoder!r} differs from standard on prompt {i} at "
+            raise ConformanceError(f"greedy: decoder {decoder!r} differs from standard{under} on prompt {i} at "
                                    f"token {first}: {b.token_ids[first:first + 5]} vs {a.token_ids[first:first + 5]}")
 
 
 def check_distribution(llm, decoder: str, *, prompt: list[int] = KIT_PROMPT, sampling: dict | None = None,
-                       draws: int = 3000, depth: int = 3, alpha: float = 1e-4) -> list[float]:
+                       draws: int = 3000, depth: int = 3, alpha: float = 1e-4, constraint: Any = None) -> list[float]:
     """Sample ``draws`` completions of ``depth`` tokens with ``decoder``; each position's
     empirical law must pass a chi-square test against the exact law at level ``alpha``
-    (Bonferroni over positions). Returns the p-values."""
+    (Bonferroni over positions). Returns the p-values. Under ``constraint`` (a
+    ``Constraint``) the law is the masked one, and an answer whose grammar completed before
+    a position counts in that position's "ended" cell."""
     from tokenloom.core.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=depth, ignore_eos=True, decoder=decoder, **(sampling or {"temperature": 1.0}))
+    params = SamplingParams(max_tokens=depth, ignore_eos=True, decoder=decoder, constraint=constraint,
+                            **(sampling or {"temperature": 1.0}))
     exact = exact_marginals(llm, prompt, params, depth)
     # Generate past ``depth``: a decoder may not draft beyond max_tokens, and the positions
     # checked should be ones it drafted for.
     outs = llm.generate([list(prompt)] * draws, msgspec.structs.replace(params, max_tokens=depth + 8))
-    vocab = exact[0].numel()
+    cells = exact[0].numel()
+    ended = llm.engine.model_config.vocab_size  # the "ended" cell of a constrained law
+    under = "" if constraint is None else f", under the {constraint.kind} constraint"
     pvalues = []
     for pos in range(depth):
-        counts = torch.bincount(torch.tensor([o.token_ids[pos] for o in outs]), minlength=vocab).tolist()
+        seen = [o.token_ids[pos] if pos < len(o.token_ids) else ended for o in outs]
+        if max(seen) >= cells:
+            raise ConformanceError(f"distribution: decoder {decoder!r}{under}: an answer ended at "
+                                   f"{min(len(o.token_ids) for o in outs)} tokens, before token {pos + 1}")
+        counts = torch.bincount(torch.tensor(seen), minlength=cells).tolist()
         stat, dof, pvalue = chi_square(counts, exact[pos].tolist())
         pvalues.append(pvalue)
         if pvalue < alpha / depth:
             raise ConformanceError(
-                f"distribution: decoder {decoder!r}, token {pos + 1}, sampling {sampling or 'temperature 1'}: "
+                f"distribution: decoder {decoder!r}, token {pos + 1}, sampling {sampling or 'temperature 1'}{under}: "
                 f"chi-square {stat:.1f} on {dof} dof, p = {pvalue:.2e} over {draws} draws; "
                 f"observed {counts}, expected {[round(float(p) * draws, 1) for p in exact[pos]]}")
     return pvalues
+
+
+def constrained_skip_reason(llm, constraints: Seq[Any], prompt: list[int] = KIT_PROMPT) -> str | None:
+    """Why the constrained cases cannot run on ``llm`` (None: they can): no xgrammar, or a
+    vocabulary that cannot start the constraints' answers (not the kit model's pieces)."""
+    if llm.engine.grammar.name == "xgrammar" and importlib.util.find_spec("xgrammar") is None:
+        return "the constrained cases need the xgrammar package: pip install 'tokenloom[structured]'"
+    from tokenloom.core.grammar import GrammarState
+
+    for c in constraints:
+        state = GrammarState(llm.engine.grammar.matcher(llm.engine.grammar.compile(c)),
+                             llm.engine.model_config.vocab_size)
+        allowed = state.allowed()
+        if allowed is None or not bool(allowed.any()):
+            return (f"the model's vocabulary cannot spell the kit's {c.kind} constraint (the kit model, "
+                    f"make_tiny_model, has the tokens {KIT_PIECES})")
+    return None
+
+
+def check_constrained(llm, decoder: str, prompts: Seq[list[int]], constraints: Seq[Any],
+                      sampling: Seq[dict[str, Any]] = KIT_SAMPLING, draws: int = 2000,
+                      depth: int = 3) -> dict[str, Any]:
+    """The constrained cases: for each constraint (a ``Constraint``), greedy identical to
+    ``standard`` on every prompt, then the masked distribution at ``sampling[i % len]``,
+    and every block back. Returns the p-values per constraint; a
+    :class:`ConformanceSkipped` warning and an empty report when they cannot run here."""
+    reason = constrained_skip_reason(llm, constraints)
+    if reason is not None:
+        warnings.warn(f"check_decoder({decoder!r}): constrained cases skipped: {reason}", ConformanceSkipped,
+                      stacklevel=3)
+        return {}
+    report: dict[str, Any] = {}
+    for i, c in enumerate(constraints):
+        check_greedy_identical(llm, decoder, prompts, constraint=c)
+        report[f"constrained_{i}"] = check_distribution(llm, decoder, sampling=sampling[i % len(sampling)],
+                                                        draws=draws, depth=depth, constraint=c)
+        check_blocks_back(llm)
+    return report
 
 
 def check_blocks_back(llm) -> None:
@@ -245,13 +357,21 @@ def check_blocks_back(llm) -> None:
 
 def check_decoder(decoder: str, *, model_dir: str | Path, plugins: Seq[Any] = (), decoder_options: dict | None = None,
                   greedy_prompts: Seq[list[int]] | None = None, draws: int = 2000, depth: int = 3,
-                  sampling: Seq[dict[str, Any]] = KIT_SAMPLING) -> dict[str, Any]:
-    """All three checks for ``decoder`` on the model at ``model_dir`` (e.g. from
+                  sampling: Seq[dict[str, Any]] = KIT_SAMPLING,
+                  constraints: Seq[dict[str, Any]] = KIT_CONSTRAINTS,
+                  constrained_draws: int | None = None) -> dict[str, Any]:
+    """All four checks for ``decoder`` on the model at ``model_dir`` (e.g. from
     :func:`make_tiny_model`), with ``plugins`` registered (the decoder's own package, for a
-    third party). ``decoder_options`` configure it (``[decoder]`` keys). Raises
-    :class:`ConformanceError`; returns the distribution p-values per sampling setting."""
+    third party). ``decoder_options`` configure it (``[decoder]`` keys). ``constraints``
+    (``Constraint`` fields; ``()``: none) are the constrained cases, the i-th sampled at
+    ``sampling[i % len(sampling)]`` with ``constrained_draws`` draws (default half of ``draws``:
+    a masked law has few cells); they are skipped with a :class:`ConformanceSkipped`
+    warning without xgrammar, or on a model whose vocabulary cannot spell them. Raises
+    :class:`ConformanceError`; returns the distribution p-values per sampling setting
+    (``sampling_i``) and per constraint (``constrained_i``, absent when skipped)."""
     from tokenloom import LLM
     from tokenloom.core.plugins import PluginManager
+    from tokenloom.core.sampling_params import Constraint
 
     pm = PluginManager(load_entry_points=False, extra=list(plugins))
     flags = {"model": str(model_dir), "dtype": "float32", "device": "cpu", "num_kv_blocks": 512, "block_size": 16,
@@ -264,6 +384,10 @@ def check_decoder(decoder: str, *, model_dir: str | Path, plugins: Seq[Any] = ()
         for i, s in enumerate(sampling):
             report[f"sampling_{i}"] = check_distribution(llm, decoder, sampling=s, draws=draws, depth=depth)
             check_blocks_back(llm)
+        if constraints:
+            report.update(check_constrained(llm, decoder, prompts, [Constraint(**c) for c in constraints],
+                                            sampling=sampling, depth=depth,
+                                            draws=draws // 2 if constrained_draws is None else constrained_draws))
         report["stats"] = {k: v for k, v in llm.engine.stats().items() if k.startswith("decoder_")}
     return report
 

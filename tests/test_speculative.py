@@ -42,6 +42,7 @@ def test_ngram_lookup_takes_the_latest_longest_match():
 
 def test_ngram_passes_the_conformance_kit(kit_model):
     report = check_decoder("ngram", model_dir=kit_model, decoder_options={"prompt_lookup_min": 1})
+    assert {"constrained_0", "constrained_1"} <= report.keys()  # the kit ran its constrained cases
     stats = report["stats"]
     # Both branches of the rule ran many times: accepted drafts and rejections.
     assert stats["decoder_ngram_drafted"] > 10_000 and 1_000 < stats["decoder_ngram_accepted"] < stats[
@@ -53,6 +54,7 @@ def test_speculative_passes_the_conformance_kit(kit_model):
     # q are rejected often and the residual path runs.
     report = check_decoder("speculative", model_dir=kit_model,
                            decoder_options={"draft_num_layers": 1, "draft_quantizer": "none", "max_batch": 8})
+    assert {"constrained_0", "constrained_1"} <= report.keys()  # the kit ran its constrained cases
     stats = report["stats"]
     assert stats["decoder_speculative_drafted"] > 5_000
     assert 0.1 < stats["decoder_speculative_acceptance_rate"] < 0.95
@@ -266,6 +268,7 @@ def _random_heads(path, num_heads: int, hidden: int, scale: float = 0.5, sequent
 def test_medusa_passes_the_conformance_kit(kit_model, tmp_path, sequential):
     heads = _random_heads(tmp_path / "heads.safetensors", 3, 32, sequential=sequential)
     report = check_decoder("medusa", model_dir=kit_model, decoder_options={"heads": str(heads), "max_batch": 8})
+    assert {"constrained_0", "constrained_1"} <= report.keys()  # the kit ran its constrained cases
     stats = report["stats"]
     assert stats["decoder_medusa_drafted"] > 5_000 and stats["decoder_medusa_accepted"] > 100
 
