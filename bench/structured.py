@@ -225,7 +225,8 @@ def decode_row(name: str, batch: int, finals: list[Finished], elapsed: float) ->
             "mean_tokens": sum(tokens) / len(tokens), "finish_reasons": reasons, "elapsed_s": elapsed,
             "tpot_ms": statistics.fmean(tpots) if tpots else None,
             "output_tok_s": sum(tokens) / elapsed if elapsed else 0.0,
-            "failed": sum(f.finish_reason not in ("stop", "length") for f in finals)}
+            "failed": sum(f.finish_reason not in ("stop", "length") for f in finals),
+            "preemptions": sum(f.metrics.num_preemptions for f in finals)}
 
 
 async def _timed_compile(engine, constraint: Constraint) -> float:
@@ -341,13 +342,13 @@ def format_structured(report: dict) -> str:
     lines = [f"`{report['command']}`", "", f"machine: {report['machine']}",
              f"model {report['model']}, grammar backend {report['grammar_backend']}, greedy, max_tokens "
              f"{report['max_tokens']} (EOS ignored; a constrained answer ends when its grammar completes)", "",
-             "| case | batch | prompt tokens | tokens/request | finish | TPOT ms | vs unconstrained | output tok/s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| case | batch | prompt tokens | tokens/request | finish | TPOT ms | vs unconstrained | output tok/s "
+             "| preemptions |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in report["decode"]:
         finish = ", ".join(f"{k} {v}" for k, v in sorted(r["finish_reasons"].items()))
         ratio = "-" if r["tpot_vs_unconstrained"] is None else f"{r['tpot_vs_unconstrained']:.2f}x"
         lines.append(f"| {r['case']} | {r['batch_size']} | {r['prompt_tokens']} | {r['mean_tokens']:.1f} | {finish} | "
-                     f"{_ms(r['tpot_ms'])} | {ratio} | {r['output_tok_s']:.1f} |")
+                     f"{_ms(r['tpot_ms'])} | {ratio} | {r['output_tok_s']:.1f} | {r['preemptions']} |")
     comp = report["compile"]
     lines += ["", f"compile (grammar thread; the backend's start-up, once: {comp['backend_startup_ms']:.0f} ms)", "",
               "| constraint | kind | cold ms | cached ms |", "| --- | --- | --- | --- |"]
