@@ -59,11 +59,12 @@ class GrammarState:
     def terminated(self) -> bool:
         return self.matcher.is_terminated()
 
-    def allowed(self, drafts: list[int] = ()) -> torch.Tensor | None:  # type: ignore[assignment]
-        """``[vocab_size]`` bool: the tokens allowed after the committed tokens and ``drafts``;
-        ``None`` (no restriction) where a draft is itself forbidden (that row is never used:
-        verification rejects the draft before it) or where a draft completed the grammar
-        with a stop token (the sequence ends there; a terminated matcher has no next mask)."""
+    def fill(self, bitmask: torch.Tensor, row: int, drafts: list[int] = ()) -> bool:  # type: ignore[assignment]
+        """Write the tokens allowed after the committed tokens and ``drafts`` into ``row`` of
+        ``bitmask``; False (the row left as it was: no restriction) where a draft is itself
+        forbidden (that row is never used: verification rejects the draft before it) or
+        where a draft completed the grammar with a stop token (the sequence ends there; a
+        terminated matcher has no next mask)."""
         m = self.matcher
         advanced = 0
         for d in drafts:
@@ -72,21 +73,41 @@ class GrammarState:
             advanced += 1
         try:
             if advanced < len(drafts) or (advanced and m.is_terminated()):
-                return None
-            m.fill_bitmask(self._bitmask, 0)
+                return False
+            m.fill_bitmask(bitmask, row)
+            return True
         finally:
             if advanced:
                 m.rollback(advanced)
+
+    def allowed(self, drafts: list[int] = ()) -> torch.Tensor | None:  # type: ignore[assignment]
+        """``[vocab_size]`` bool: the tokens allowed after the committed tokens and ``drafts``;
+        ``None`` (no restriction) where :meth:`fill` leaves its row alone."""
+        if not self.fill(self._bitmask, 0, drafts):
+            return None
         bits = (self._bitmask[0].unsqueeze(-1) >> _SHIFTS) & 1
         return bits.flatten()[:self.vocab_size].bool()
 
 
-def apply_grammar(logits: torch.Tensor, i: int, state: GrammarState, drafts: list[int]) -> None:
-    """Row ``i`` of ``logits`` (in place): tokens the grammar forbids after ``drafts`` become -inf."""
-    allowed = state.allowed(drafts)
-    if allowed is None:
+def apply_grammars(logits: torch.Tensor, rows: list[tuple[int, GrammarState, list[int]]]) -> None:
+    """For each ``(i, state, drafts)``: row ``i`` of ``logits`` (in place) gets -inf where the
+    grammar forbids a token after ``drafts``. Every row's matcher fills its own row of one
+    bitmask; the bits are then unpacked and applied for all rows at once (a constrained
+    batch costs one fill per row plus a handful of tensor ops, not a handful per row)."""
+    if not rows:
         return
     V = logits.shape[-1]
-    if allowed.shape[0] < V:  # logits wider than the grammar's vocabulary: the extra ids are forbidden
-        allowed = torch.cat([allowed, allowed.new_zeros(V - allowed.shape[0])])
-    logits[i].masked_fill_(~allowed[:V].to(logits.device), float("-inf"))
+    words = (max(V, max(s.vocab_size for _, s, _ in rows)) + 31) // 32
+    bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)  # -1: every token allowed
+    filled = [j for j, (_, state, drafts) in enumerate(rows) if state.fill(bitmask, j, drafts)]
+    if not filled:
+        return
+    if len(filled) < len(rows):
+        bitmask = bitmask[filled]
+    bits = ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).view(len(filled), -1)
+    allowed = bits[:, :V].bool()
+    for k, j in enumerate(filled):  # ids past a grammar's vocabulary (logits wider than it) are forbidden
+        if rows[j][1].vocab_size < V:
+            allowed[k, rows[j][1].vocab_size:] = False
+    index = torch.tensor([rows[j][0] for j in filled], device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))

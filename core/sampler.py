@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from tokenloom.core.grammar import GrammarState, apply_grammar
+from tokenloom.core.grammar import GrammarState, apply_grammars
 from tokenloom.core.sampling_params import SamplingParams
 from tokenloom.core.sequence import Sequence
 
@@ -107,11 +107,13 @@ class Sampler:
             return logits
         logits = logits.clone()
         V = logits.shape[-1]
+        grammars = []
         for i in constrained:
             r = rows[i]
             g = r.grammar
             assert g is not None
-            apply_grammar(logits, i, g, r.token_ids[r.num_prompt_tokens + g.num_accepted:])
+            grammars.append((i, g, r.token_ids[r.num_prompt_tokens + g.num_accepted:]))
+        apply_grammars(logits, grammars)
         for i in biased:
             ids, bias = _bias_tensors(rows[i].params.logit_bias or {}, V, logits.device, logits.dtype)
             logits[i, ids] += bias

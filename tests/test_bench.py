@@ -183,7 +183,7 @@ def test_structured_command_on_a_tiny_model(tiny_model_dir, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads((tmp_path / "s.json").read_text())
     cases = ["unconstrained", "json schema (trip plan)", "regex (three day lines)",
-             "tool calls (2 tools, required, hermes)"]
+             "unconstrained (the tool prompt)", "tool calls (2 tools, required, hermes)"]
     assert [(r["case"], r["batch_size"]) for r in report["decode"]] == [(c, b) for c in cases for b in (1, 2)]
     assert all(r["failed"] == 0 and 0 < r["output_tokens"] <= 6 * r["batch_size"] for r in report["decode"])
     kinds = [r["kind"] for r in report["compile"]["rows"]]
