@@ -102,8 +102,8 @@ class XGrammarBackend:
         compiler = self._get_compiler(param)
         kind, value = constraint.kind, constraint.value
         try:
-            # JSON is compiled compact (a small model given free whitespace may emit nothing
-            # else), and its matchers refuse tokens with raw control characters, which
+            # JSON is compiled on one line, with json.dumps' ", " and ": " and no other
+            # whitespace (a small model given free whitespace may emit nothing else), and its matchers refuse tokens with raw control characters, which
             # xgrammar's strings let through and JSON forbids (json.loads, pydantic refuse them)
             if kind == "json":
                 return _Json(compiler.compile_json_schema("{}", any_whitespace=False))
