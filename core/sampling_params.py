@@ -127,6 +127,32 @@ class Constraint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             check_schema(v, p)
 
 
+# RFC 3339 full-date with the calendar: years 0001-9999, each month's days, February 29 in
+# leap years only (divisible by 4, centuries only when divisible by 400), as
+# datetime.date.fromisoformat and jsonschema's "date" check read it
+_YEAR = "([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
+_LEAP = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
+DATE_PATTERN = (f"^({_YEAR}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+                f"|02-(0[1-9]|1[0-9]|2[0-8]))|{_LEAP}-02-29)$")
+
+
+def calendar_dates(schema: Any) -> Any:
+    """``schema`` with every ``format: date`` string written as :data:`DATE_PATTERN`: a
+    grammar backend's own date format takes any day 01-31 of any month (xgrammar's does);
+    the pattern takes only dates the calendar has. (``check_schema`` has refused a length
+    beside a format, so the pattern is the string's only constraint.)"""
+    if isinstance(schema, list):
+        return [calendar_dates(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: calendar_dates(v) if k not in ("enum", "const", "default", "examples") else v
+           for k, v in schema.items()}
+    if out.get("format") == "date" and out.get("type") == "string":
+        del out["format"]
+        out["pattern"] = DATE_PATTERN
+    return out
+
+
 def check_schema(schema: object, param: str, depth: int = 0) -> None:
     """Walk a JSON schema; raise :class:`ClientError` naming ``param`` and the first keyword
     not in :data:`SCHEMA_KEYWORDS` (its path in the schema too)."""

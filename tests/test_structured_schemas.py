@@ -27,10 +27,11 @@ entry, a constraint beside ``anyOf``).
 
 Left out: ``format: email`` (its local part has no bound, so a random model need not end
 it); a binary recursive ``Add(left, right)`` expression (greedy never closes it here).
-An open finding, an expected failure (``DATE_CALENDAR`` below): xgrammar's ``format: date``
-accepts day 31 of any month. Two this file found are fixed and now checked like every case:
-a stop token drafted by ngram/speculative/medusa crashed the step (core/grammar.py), and
-special tokens were allowed inside JSON strings (plugins/grammars/xgrammar_backend.py).
+Three findings of this file are fixed and checked like every case: a stop token drafted by
+ngram/speculative/medusa crashed the step (core/grammar.py); special tokens were allowed
+inside JSON strings (plugins/grammars/xgrammar_backend.py); xgrammar's ``format: date``
+took day 31 of any month (the backends now compile it as ``DATE_PATTERN``, the calendar's
+dates only).
 """
 
 from __future__ import annotations
@@ -396,14 +397,6 @@ def test_the_client_sends_its_strict_pydantic_schema(server, answers):
                 assert body["decoder"] == d and body["temperature"] == MODES[mode][0]
 
 
-# An open finding (xgrammar's, documented in docs/serving.md): a date the calendar does not
-# have fails exactly so, and is an expected failure; any other failure fails.
-DATE_CALENDAR = "xgrammar's format 'date' takes any day 01-31 in any month (e.g. 5351-11-31)"
-
-
-def _known_failure(exc: Exception) -> str | None:
-    text = str(exc)
-    return DATE_CALENDAR if "is not a 'date'" in text or "day value is outside" in text else None
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -412,14 +405,7 @@ def _known_failure(exc: Exception) -> str | None:
 def test_parse_gives_a_valid_object(server, answers, model, decoder, mode):
     _, wire, _ = server
     case = f"{model.__name__}/{decoder}/{mode}"
-    out = answers[case]
-    try:
-        _check_answer(wire, case, model, out)
-    except (AssertionError, pydantic.ValidationError) as exc:
-        known = _known_failure(exc)
-        if known is None:
-            raise
-        pytest.xfail(f"{known}: {exc}"[:2000])
+    _check_answer(wire, case, model, answers[case])
 
 
 def _check_answer(wire, case, model, out):
@@ -509,3 +495,34 @@ def test_unsupported_keywords_are_refused_by_name(server, model, keyword):
     err = info.value.body
     assert err["param"] == "response_format"
     assert f"'{keyword}'" in err["message"]
+
+
+def test_format_date_takes_only_the_calendars_dates():
+    """A grammar backend's own ``format: date`` took 2023-11-31; a date field is compiled as
+    DATE_PATTERN (leap years by the Gregorian rule, years 0001-9999), checked here against
+    datetime.date for every day of four years."""
+    import datetime as dt
+
+    from tokenloom.core.sampling_params import DATE_PATTERN, calendar_dates
+
+    assert calendar_dates({"type": "string", "format": "date"}) == {"type": "string", "pattern": DATE_PATTERN}
+    assert calendar_dates({"enum": [{"format": "date"}]}) == {"enum": [{"format": "date"}]}  # values stay
+    pattern = re.compile(DATE_PATTERN)
+    for year in (1900, 2000, 2023, 2024, 1, 9999, 0):
+        for month in range(0, 14):
+            for day in range(0, 33):
+                text = f"{year:04d}-{month:02d}-{day:02d}"
+                try:
+                    dt.date.fromisoformat(text)
+                    real = True
+                except ValueError:
+                    real = False
+                assert bool(pattern.match(text)) is real, text
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    schema = json.dumps(calendar_dates({"type": "object", "properties": {"d": {"type": "string", "format": "date"}},
+                                        "required": ["d"]}))
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
+    assert _is_grammar_accept_string(grammar, '{"d": "2024-02-29"}')
+    assert not _is_grammar_accept_string(grammar, '{"d": "2023-11-31"}')

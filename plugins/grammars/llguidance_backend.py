@@ -48,7 +48,7 @@ import threading
 from typing import Any
 
 from tokenloom.core.errors import ClientError
-from tokenloom.core.sampling_params import Constraint
+from tokenloom.core.sampling_params import Constraint, calendar_dates
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class LLGuidanceBackend:
                 grammar = llg.LLMatcher.grammar_from_json_schema({}, overrides=JSON_OPTIONS)  # type: ignore[arg-type]
             elif kind == "json_schema":
                 assert isinstance(value, dict)
-                grammar = llg.LLMatcher.grammar_from_json_schema(strict_schema(value),
+                grammar = llg.LLMatcher.grammar_from_json_schema(strict_schema(calendar_dates(value)),
                                                                  overrides=JSON_OPTIONS)  # type: ignore[arg-type]
             elif kind == "regex":
                 assert isinstance(value, str)
@@ -250,7 +250,7 @@ def tagged_json_lark(value: dict) -> str:
     """The Lark grammar of a ``tagged_json`` constraint: ``min`` to ``max`` values of
     ``begin``, the compact strict JSON under ``schema`` (``%json``, its layout given in the
     schema's ``x-guidance`` options), ``end``, joined by ``separator``."""
-    schema = strict_schema(value["schema"])
+    schema = strict_schema(calendar_dates(value["schema"]))
     schema = {**schema, "x-guidance": JSON_OPTIONS} if isinstance(schema, dict) else schema
     parts = [_lark_literal(value["begin"])] if value.get("begin") else []
     parts.append("%json " + json.dumps(schema))

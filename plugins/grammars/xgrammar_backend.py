@@ -14,7 +14,7 @@ import threading
 from typing import Any
 
 from tokenloom.core.errors import ClientError
-from tokenloom.core.sampling_params import Constraint
+from tokenloom.core.sampling_params import Constraint, calendar_dates
 
 INSTALL_HINT = "structured outputs need the xgrammar package: pip install 'tokenloom[structured]'"
 
@@ -108,7 +108,8 @@ class XGrammarBackend:
             if kind == "json":
                 return _Json(compiler.compile_json_schema("{}", any_whitespace=False))
             if kind == "json_schema":
-                return _Json(compiler.compile_json_schema(json.dumps(value), any_whitespace=False, strict_mode=True))
+                return _Json(compiler.compile_json_schema(json.dumps(calendar_dates(value)), any_whitespace=False,
+                                                          strict_mode=True))
             if kind == "regex":
                 return compiler.compile_regex(value)
             if kind == "grammar":
@@ -178,7 +179,8 @@ def _tagged_json(value: dict) -> Any:
     def literal(text: str) -> Any:
         return xgr.Grammar.from_ebnf("root ::= " + _ebnf_literal(text))
 
-    body = xgr.Grammar.from_json_schema(json.dumps(value["schema"]), any_whitespace=False, strict_mode=True)
+    body = xgr.Grammar.from_json_schema(json.dumps(calendar_dates(value["schema"])), any_whitespace=False,
+                                        strict_mode=True)
     parts = [literal(value[key]) for key in ("begin",) if value.get(key)] + [body] + \
         [literal(value[key]) for key in ("end",) if value.get(key)]
     one = xgr.Grammar.concat(*parts) if len(parts) > 1 else body
