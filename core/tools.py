@@ -126,10 +126,19 @@ def build_parser(pm: PluginManager, name: str, chat_template: str | None) -> Too
     """The engine's tool parser: ``name`` (``engine.tool_call_parser``), or for ``auto`` the one
     the chat template's call markers point to (``hermes`` when it has none)."""
     if name == "auto":
-        from tokenloom.plugins.tool_parsers import pick
-
         name = pick(chat_template)
     return contracts.build(pm.get("tool_parser", name), None)
+
+
+def pick(chat_template: str | None) -> str:
+    """The built-in parser ``engine.tool_call_parser = "auto"`` picks for a chat template: the
+    one whose call marker the template writes (``hermes`` when it writes none)."""
+    template = chat_template or ""
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template:
+        return "llama3_json"
+    return "hermes"
 
 
 def constraint(req: ToolRequest, parser: ToolParser) -> Constraint | None:

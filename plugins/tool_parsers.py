@@ -236,16 +236,6 @@ class Llama3JsonToolParser(_JsonTailParser):
 PARSERS = {p.name: p for p in (HermesToolParser, MistralToolParser, Llama3JsonToolParser)}
 
 
-def pick(chat_template: str | None) -> str:
-    """The parser ``engine.tool_call_parser = "auto"`` picks for a chat template."""
-    template = chat_template or ""
-    if "[TOOL_CALLS]" in template:
-        return "mistral"
-    if "<|python_tag|>" in template:
-        return "llama3_json"
-    return "hermes"
-
-
 @hookimpl
 def register_tool_parsers(register):
     descriptions = {"hermes": "<tool_call>{json}</tool_call> blocks (Qwen, Hermes, SmolLM2, ChatML models)",

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from tokenloom.core.errors import ClientError
-from tokenloom.core.tools import ToolCall, ToolStream, chat_messages, tool_request
-from tokenloom.plugins.tool_parsers import PARSERS, pick
+from tokenloom.core.tools import ToolCall, ToolStream, chat_messages, pick, tool_request
+from tokenloom.plugins.tool_parsers import PARSERS
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now",
