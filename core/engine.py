@@ -454,6 +454,12 @@ class AsyncEngine:
                 decode_seqs += 1
             if res is None or not res.token_ids:
                 continue
+            if seq.grammar is not None and seq.grammar.dead_end:
+                constraint = seq.params.constraint
+                self._end_early(req, SequenceStatus.FINISHED_ERROR, error=(
+                    f"{constraint.param if constraint else 'constraint'}: the grammar allows no token of this "
+                    f"model's vocabulary after {seq.num_output_tokens} output tokens"))
+                continue
             if seq.forks:  # its prefill is done: the request's other samples fork from it now
                 generated += self._fork_samples(seq, out, now)
             status, taken = self._take_tokens(req, res)

@@ -39,13 +39,16 @@ _SHIFTS = torch.arange(32, dtype=torch.int32)
 class GrammarState:
     """A sequence's matcher and how many of its output tokens it has accepted."""
 
-    __slots__ = ("matcher", "num_accepted", "_bitmask", "vocab_size")
+    __slots__ = ("matcher", "num_accepted", "_bitmask", "vocab_size", "dead_end")
 
     def __init__(self, matcher: GrammarMatcher, vocab_size: int):
         self.matcher = matcher
         self.num_accepted = 0
         self.vocab_size = vocab_size
         self._bitmask = torch.zeros((1, (vocab_size + 31) // 32), dtype=torch.int32)
+        # the grammar allowed no token of the vocabulary after the committed tokens (one it
+        # cannot spell): the engine ends the request with an error instead of sampling outside it
+        self.dead_end = False
 
     def accept(self, token_id: int) -> bool:
         """Advance by one committed output token; False when the grammar forbids it (a stop
@@ -109,5 +112,8 @@ def apply_grammars(logits: torch.Tensor, rows: list[tuple[int, GrammarState, lis
     for k, j in enumerate(filled):  # ids past a grammar's vocabulary (logits wider than it) are forbidden
         if rows[j][1].vocab_size < V:
             allowed[k, rows[j][1].vocab_size:] = False
+    for k in (~allowed.any(dim=1)).nonzero().flatten().tolist():
+        if not rows[filled[k]][2]:  # (a row after drafts is only used if they are accepted: judged then)
+            rows[filled[k]][1].dead_end = True
     index = torch.tensor([rows[j][0] for j in filled], device=logits.device)
     logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))

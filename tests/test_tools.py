@@ -355,3 +355,23 @@ def test_a_drafted_stop_token_gives_no_mask_and_no_crash(tiny_model_dir):
     free = GrammarState(backend.matcher(backend.compile(Constraint(kind="regex", value=".{0,4}"))), tok.vocab_size)
     allowed = free.allowed()
     assert all(not allowed[i] for i in tok.special_ids if i not in tok.eos_token_ids) and allowed[eos]
+
+
+def test_a_grammar_the_vocabulary_cannot_spell_ends_the_request_with_an_error(tmp_path):
+    """The kit model's 12 tokens are JSON pieces: a regex of letters has no token to start
+    with. The request ends with an error naming the parameter (not a token sampled outside
+    the grammar), and its blocks come back."""
+    pytest.importorskip("xgrammar")
+    from tokenloom import LLM, SamplingParams
+    from tokenloom.core.sampling_params import Constraint
+    from tokenloom.testing import make_tiny_model
+
+    llm = LLM(model=str(make_tiny_model(tmp_path / "kit")), dtype="float32", num_kv_blocks=32)
+    try:
+        free = llm.engine.cache.num_free_blocks
+        [out] = llm.generate([[0, 1, 2]], SamplingParams(max_tokens=8, constraint=Constraint(
+            kind="regex", value="zz", param="guided_regex")))
+        assert out.finish_reason == "error" and out.error.startswith("guided_regex: the grammar allows no token")
+        assert out.token_ids == [] and llm.engine.cache.num_free_blocks == free
+    finally:
+        llm.close()
