@@ -182,9 +182,10 @@ async def make_server(tiny_model_dir):
 SEPARATE = os.environ.get("TOKENLOOM_TEST_ENGINE_PROCESS") == "separate"
 
 
-def start_serve_process(*args: str):
-    """``tokenloom serve ARGS`` as a real process: (process, its WebSocket URL), read from the
-    banner on its stderr (the process keeps running; the caller ends it)."""
+def start_serve_process(*args: str, url: str = r"ws://127\.0\.0\.1:\d+"):
+    """``tokenloom serve ARGS`` as a real process: (process, its WebSocket URL, or the first
+    match of ``url`` instead), read from the banner on its stderr (the process keeps running;
+    the caller ends it)."""
     import re
     import subprocess
     import sys
@@ -193,7 +194,7 @@ def start_serve_process(*args: str):
     proc = subprocess.Popen([sys.executable, "-m", "tokenloom.cli.main", "serve", *args],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     for line in proc.stderr:
-        m = re.search(r"(ws://127\.0\.0\.1:\d+)", line)
+        m = re.search(f"({url})", line)
         if m:
             return proc, m.group(1)
     proc.kill()

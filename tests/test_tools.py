@@ -12,10 +12,7 @@ agree over many seeds, a two-turn exchange with a tool result works.
 from __future__ import annotations
 
 import json
-import os
 import random
-import re
-import subprocess
 import sys
 
 import pytest
@@ -205,23 +202,16 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     pytest.importorskip("xgrammar")
-    from conftest import make_tiny_llama
+    from conftest import make_tiny_llama, start_serve_process
 
     model_dir = tmp_path_factory.mktemp("tiny-tools")
     make_tiny_llama(model_dir)
     config = json.loads((model_dir / "config.json").read_text())  # byte tokens: the tools prompt is ~1,000
     (model_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
-    proc = subprocess.Popen([*CLI, "serve", "--model", str(model_dir), "--dtype", "float32",
-                             "--num-kv-blocks", "1024", "--port", "0", "--openai-port", "0", "--shutdown-deadline", "0.2",
-                             "--set", "frontends.openai.served_model_name=\"tiny\""],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "TOKENLOOM_LOG_FORMAT": "json"})
-    url = None
-    for line in proc.stderr:
-        if m := re.search(r"(http://127\.0\.0\.1:\d+/v1)", line):
-            url = m.group(1)
-            break
-    assert url, "server did not start"
+    proc, url = start_serve_process("--model", str(model_dir), "--dtype", "float32", "--num-kv-blocks", "1024",
+                                    "--port", "0", "--openai-port", "0", "--shutdown-deadline", "0.2",
+                                    "--set", "frontends.openai.served_model_name=\"tiny\"",
+                                    url=r"http://127\.0\.0\.1:\d+/v1")
     yield openai.OpenAI(base_url=url, api_key="none", max_retries=0)
     proc.terminate()
     proc.wait(timeout=30)
