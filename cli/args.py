@@ -40,6 +40,9 @@ ENGINE_FLAGS = {
     "tensor_parallel_size": "tensor_parallel_size",
     "tool_call_parser": "tool_call_parser",
     "grammar_backend": "grammar_backend",
+    "max_loras": "adapter.max_loras",
+    "max_lora_rank": "adapter.max_lora_rank",
+    "lora_merge": "adapter.merge",
 }
 
 
@@ -68,6 +71,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", metavar="NAME",
                    help="how the model writes tool calls: auto (by the chat template), hermes, mistral, llama3_json")
     g.add_argument("--grammar-backend", metavar="NAME", help="structured outputs: xgrammar (default) or llguidance")
+    g.add_argument("--lora", action="append", metavar="NAME=PATH",
+                   help="serve a PEFT LoRA adapter under NAME (repeatable); requests name it in `model`")
+    g.add_argument("--enable-lora", action="store_true", default=None,
+                   help="adapters may be loaded at run time (POST /v1/load_lora_adapter) without any at start-up")
+    g.add_argument("--max-loras", type=int, help="adapters resident at once (least recently used evicted)")
+    g.add_argument("--max-lora-rank", type=int, help="the largest adapter rank accepted")
+    g.add_argument("--lora-merge", action=argparse.BooleanOptionalAction, default=None,
+                   help="fold the one --lora adapter into the base weights (a single-adapter deployment)")
     g.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "int8"], help="KV cache storage (auto: the dtype)")
     g.add_argument("--max-num-seqs", type=int)
     g.add_argument("--max-num-batched-tokens", type=int)
@@ -95,6 +106,18 @@ def flags_layer(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, dest, None)
         if value is not None:
             layers.append(nested(key, value))
+    loras = getattr(args, "lora", None) or []
+    if loras or getattr(args, "enable_lora", None):
+        modules = {}
+        for item in loras:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise SystemExit(f"--lora takes NAME=PATH, got {item!r}")
+            modules[name] = path
+        layers.append({"adapter": {"name": "lora", **({"modules": modules} if modules else {})}})
+    if any(getattr(args, k, None) is not None for k in ("max_loras", "max_lora_rank", "lora_merge")) \
+            and not (loras or getattr(args, "enable_lora", None)):
+        layers.append({"adapter": {"name": "lora"}})
     layers += [parse_override(item) for item in args.set]
     return merge_layers(*layers)
 

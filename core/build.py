@@ -27,6 +27,7 @@ from tokenloom.core.executor import (
 )
 from tokenloom.core.interfaces import (
     PREFIX_CACHING_OPTION,
+    AdapterManager,
     Backend,
     CacheManager,
     Decoder,
@@ -168,9 +169,16 @@ def build_runner(config: EngineConfig, pm: PluginManager, tp: TensorParallel, de
     method = config.quantizer.name if config.quantizer is not None else (ckpt.quant_method or "none")
     quantizer: Quantizer = contracts.build(pm.get("quantizer", method),
                                            config.quantizer.options if config.quantizer else None)
+    adapters: AdapterManager | None = None
+    if config.adapter is not None:
+        adapters = contracts.build(pm.get("adapter", config.adapter.name), config.adapter.options)
+        if adapters.merged:  # one adapter folded into the checkpoint's tensors, before the model is built
+            adapters.merge(ckpt.weights)
     runner = ModelRunner(ckpt, backend=backend, quantizer=quantizer, dtype=dtype, device=device,
                          block_size=e.block_size, max_model_len=max_model_len, seed=e.seed, tp=tp,
                          capture=e.capture)
+    if adapters is not None:
+        runner.attach_adapters(adapters)
     return LoadedRunner(runner, tokenizer, mcfg, name, fmt, method, max_model_len)
 
 
@@ -189,6 +197,9 @@ def batch_invariant_options(config: EngineConfig, device, tp: TensorParallel) ->
     if tp.enabled or config.engine.tensor_parallel_size > 1:
         raise ConfigError("batch_invariant: not with tensor parallelism (tensor_parallel_size > 1): the "
                           "all-reduced partial sums and the sharded kernels are not checked for it")
+    if config.adapter is not None:
+        raise ConfigError("batch_invariant: not with adapters (their steps run op by op, through other kernels "
+                          "than the mode's)")
     if torch.device(device).type != "cpu":
         raise ConfigError(f"batch_invariant: not on device {str(device)!r}: the mode's kernels are CPU ones")
     config.engine.batch_invariant = True

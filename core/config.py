@@ -29,14 +29,17 @@ from tokenloom.core.plugins import ROLE_LABELS, ROLES, PluginManager
 DEFAULT_MODEL = "smollm2-135m"
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 ENGINE_PROCESSES = ("auto", "inline", "separate")
-SELECTABLE_ROLES = ("scheduler", "cache_manager", "decoder", "backend", "quantizer")
+SELECTABLE_ROLES = ("scheduler", "cache_manager", "decoder", "backend", "quantizer", "adapter")
 DEFAULT_STRATEGIES = {
     "scheduler": "continuous",
     "cache_manager": "paged",
     "decoder": "standard",
     "backend": "torch",
     "quantizer": None,
+    "adapter": None,
 }
+#: config tables that select a role's strategy by their own name: ``[lora]`` is ``[adapter] name = "lora"``
+ROLE_ALIASES = {"lora": ("adapter", "lora")}
 # `tokenloom serve` mounts these unless `[frontends] enabled` says otherwise (each on its port)
 DEFAULT_FRONTENDS = ("websocket", "openai")
 
@@ -104,6 +107,7 @@ class EngineConfig:
     decoder: StrategyConfig = field(default_factory=lambda: StrategyConfig("standard"))
     backend: StrategyConfig = field(default_factory=lambda: StrategyConfig("torch"))
     quantizer: StrategyConfig | None = None
+    adapter: StrategyConfig | None = None  # low-rank adapters (none unless selected: ``[lora]``)
     # what `tokenloom serve` mounts, in order; the engine itself never reads it
     frontends: list[StrategyConfig] = field(default_factory=lambda: [StrategyConfig(n) for n in DEFAULT_FRONTENDS])
 
@@ -145,6 +149,8 @@ def merge_layers(*layers: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for layer in layers:
         for key, value in layer.items():
+            if key in ROLE_ALIASES and isinstance(value, Mapping):
+                key, value = ROLE_ALIASES[key][0], {"name": ROLE_ALIASES[key][1], **value}
             if key in SELECTABLE_ROLES or key in ROLES:
                 value = {"name": value} if isinstance(value, str) else dict(value or {})
                 prev = out.get(key, {})

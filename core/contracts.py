@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenloom.core.errors import ConfigError
 from tokenloom.core.interfaces import (
+    AdapterManager,
     Backend,
     CacheManager,
     Decoder,
@@ -53,7 +54,7 @@ _NOT_MEMBERS = frozenset({
 ROLE_CONTRACTS: dict[str, type] = {
     "scheduler": Scheduler, "cache_manager": CacheManager, "quantizer": Quantizer, "decoder": Decoder,
     "backend": Backend, "model_format": ModelFormat, "architecture": ModelArchitecture, "frontend": Frontend,
-    "grammar": GrammarBackend, "tool_parser": ToolParser,
+    "grammar": GrammarBackend, "tool_parser": ToolParser, "adapter": AdapterManager,
 }
 
 

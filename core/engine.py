@@ -21,12 +21,12 @@ from tokenloom.core import contracts
 from tokenloom.core.build import EngineParts, build_engine_parts
 from tokenloom.core.config import EngineConfig
 from tokenloom.core.detokenizer import IncrementalDetokenizer
-from tokenloom.core.errors import ClientError, RequestTooLong
+from tokenloom.core.errors import ClientError, NotFound, RequestTooLong
 from tokenloom.core.executor import ExecutorFailed
 from tokenloom.core.grammar import GrammarState
 from tokenloom.core.health import EngineHealth, HealthReport
 from tokenloom.core.inputs import check_length, encode_prompt, refuse_by_size
-from tokenloom.core.interfaces import DecoderOutput
+from tokenloom.core.interfaces import AdapterInfo, DecoderOutput
 from tokenloom.core.metrics import EngineCounters, StepStats, engine_stats
 from tokenloom.core.outputs import Finished, Logprob, TokenDelta, TokenLogprobs, stream_request
 from tokenloom.core.plugins import PluginManager
@@ -58,6 +58,19 @@ class AsyncEngine:
         self.executor = parts.executor  # how steps reach the runner(s): one, or a tensor-parallel group
         self.counters = EngineCounters()
         self._decoder_names = sorted(self.pm.entries("decoder"))
+        # adapters by name (the executor's, refreshed on load/unload); those being unloaded
+        # take no new request and go once no live request uses them
+        self._adapters: dict[str, AdapterInfo] = {a.name: a for a in self.executor.adapters()}
+        self._unloading: set[str] = set()
+        self._adapter_lock = asyncio.Lock()
+        # decoders whose draft model does not carry an adapter: adapter requests decode plainly
+        self._draft_decoders = {n for n, e in self.pm.entries("decoder").items() if e.loads_model}
+        if config.adapter is not None:
+            log.info("adapters_enabled", adapters=sorted(self._adapters), merged=config.adapter.name and
+                     any(a.nbytes == 0 and a.resident for a in self._adapters.values()),
+                     draft_decoders_step_aside=sorted(self._draft_decoders),
+                     note="adapter requests never use a draft model's decoder (its draft has no adapter): "
+                          "they decode with standard instead; ngram and medusa verify under the adapter")
         self._requests: dict[str, RequestState] = {}
         self._pending_aborts: list[str] = []
         self._pending: dict[str, _Pending] = {}  # committed outputs not yet published, by request id
@@ -146,6 +159,8 @@ class AsyncEngine:
         if params.decoder is not None and params.decoder in self.decoder.unavailable:
             raise ClientError(f"decoder {params.decoder!r} is unavailable here ({self.decoder.unavailable[params.decoder]})",
                               param="decoder", value=params.decoder)
+        if params.adapter is not None:
+            params = self._adapter_params(params)
         self._ensure_loop()
         grammar: Future | None = None
         if params.constraint is not None:
@@ -161,6 +176,8 @@ class AsyncEngine:
         check_length(len(ids), params.max_tokens, self.max_model_len)
         if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > 256):
             raise ClientError.bad_value("cache_salt", cache_salt, "a string of at most 256 characters")
+        if params.adapter is not None:  # an adapter's KV is its own: never shared with the base or another
+            cache_salt = f"{cache_salt or ''}\x00adapter:{self._adapters[params.adapter].fingerprint}"
         seqs = []
         for i, rid in enumerate(rids):
             sp = params
@@ -199,6 +216,57 @@ class AsyncEngine:
         self.counters.prompt_tokens += len(ids)  # once: the samples share the prompt
         self._wakeup.set()
         return reqs[0]
+
+    def _adapter_params(self, params: SamplingParams) -> SamplingParams:
+        """A request naming an adapter: the adapter must be served (ClientError naming
+        ``adapter``: status 404), and a decoder that drafts with a second model steps aside
+        (its draft has no adapter): named, it is refused; by default the request decodes
+        with ``standard``."""
+        name = params.adapter
+        if name not in self._adapters or name in self._unloading:
+            known = ", ".join(sorted(set(self._adapters) - self._unloading)) or "none"
+            raise NotFound(f"adapter {name!r} is not loaded (adapters served: {known})", param="adapter", value=name)
+        decoder = params.decoder or self.config.decoder.name
+        if decoder in self._draft_decoders:
+            if params.decoder is not None:
+                raise ClientError(f"decoder {decoder!r} drafts with a second model, which has no adapter: an adapter "
+                                  f"request decodes with standard, ngram or medusa", param="decoder", value=decoder)
+            params = msgspec.structs.replace(params, decoder="standard")
+        return params
+
+    def adapters(self) -> list[AdapterInfo]:
+        """The adapters this engine serves (not those being unloaded)."""
+        return [a for n, a in self._adapters.items() if n not in self._unloading]
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Load an adapter at run time (every rank, on the step thread between steps);
+        ConfigError (naming what is wrong) or ClientError when the name is taken."""
+        if not isinstance(name, str) or not 0 < len(name) <= 256 or name in (self.model_name, self.config.engine.model):
+            raise ClientError.bad_value("lora_name", name, "a name of 1 to 256 characters other than the base model's")
+        async with self._adapter_lock:
+            if name in self._adapters:
+                raise ClientError(f"adapter {name!r} is already loaded", param="lora_name", value=name)
+            loop = asyncio.get_running_loop()
+            info = await loop.run_in_executor(self._step_thread, self.executor.load_adapter, name, path)
+            self._adapters = {a.name: a for a in await loop.run_in_executor(self._step_thread, self.executor.adapters)}
+            return info
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop taking requests for ``name``, wait for the live ones using it to end, then
+        free it on every rank. ClientError (404) when it is not loaded."""
+        async with self._adapter_lock:
+            if name not in self._adapters or name in self._unloading:
+                raise NotFound(f"adapter {name!r} is not loaded", param="lora_name", value=name)
+            self._unloading.add(name)
+            try:
+                while any(r.seq.params.adapter == name for r in self._requests.values()):
+                    await asyncio.sleep(0.02)
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(self._step_thread, self.executor.unload_adapter, name)
+                self._adapters = {a.name: a for a in
+                                  await loop.run_in_executor(self._step_thread, self.executor.adapters)}
+            finally:
+                self._unloading.discard(name)
 
     async def submit_async(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str,
                            cache_salt: str | None = None) -> RequestState:
@@ -567,7 +635,8 @@ class AsyncEngine:
             table = list(self.cache.block_table(scratch))
             k = seq.params.prompt_logprobs or 0
             try:
-                scored = await loop.run_in_executor(self._step_thread, self._score, ids, table, k)
+                scored = await loop.run_in_executor(self._step_thread, self._score, ids, table, k,
+                                                    seq.params.adapter)
             finally:
                 self.cache.free(scratch)
             self._scoring.popleft()
@@ -586,11 +655,11 @@ class AsyncEngine:
             except ClientError as exc:
                 self._end_early(req, SequenceStatus.FINISHED_ERROR, error=str(exc))
 
-    def _score(self, ids: list[int], table: list[int], top: int) -> list:
+    def _score(self, ids: list[int], table: list[int], top: int, adapter: str | None = None) -> list:
         """On the step thread: one prompt's logprobs (core/evaluation.py's scoring)."""
         from tokenloom.core.evaluation import prompt_logprobs
 
-        logits = self.executor.prefill_logits(ids, table)
+        logits = self.executor.prefill_logits(ids, table, adapter)
         assert logits is not None  # rank 0's (the executor returns rank 0's)
         return prompt_logprobs(logits, ids, top)
 

@@ -34,6 +34,12 @@ def quoted(value: object, limit: int = 100) -> str:
     return f"{text[:limit]}… ({size})"
 
 
+class NotFound(ClientError):
+    """The request names something the engine does not serve (an adapter): HTTP 404."""
+
+    code = "not_found"
+
+
 class RequestTooLong(ClientError):
     """The prompt (plus max_tokens) can never fit the model or the KV cache."""
 

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 
+from tokenloom.core.interfaces import AdapterInfo
 from tokenloom.core.parallel import TensorParallel
 from tokenloom.core.runner import ForwardOutput, ModelRunner
 from tokenloom.core.sequence import Batch
@@ -87,11 +88,22 @@ class UniprocExecutor:
     def allocate_kv_cache(self, num_blocks: int, kv_cache_dtype: str = "auto") -> None:
         self.driver.allocate_kv_cache(num_blocks, kv_cache_dtype)
 
-    def prefill_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor | None:
-        return self.driver.prefill_logits(token_ids, block_table)
+    def prefill_logits(self, token_ids: list[int], block_table: list[int],
+                       adapter: str | None = None) -> torch.Tensor | None:
+        return self.driver.prefill_logits(token_ids, block_table, adapter)
 
-    def prefill_hidden(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
-        return self.driver.prefill_hidden(token_ids, block_table)
+    def prefill_hidden(self, token_ids: list[int], block_table: list[int], adapter: str | None = None) -> torch.Tensor:
+        return self.driver.prefill_hidden(token_ids, block_table, adapter)
+
+    def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        return self.driver.load_adapter(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        self.driver.unload_adapter(name)
+
+    def adapters(self) -> list[AdapterInfo]:
+        """The adapters rank 0 knows (every rank holds the same ones)."""
+        return self.driver.adapters.adapters() if self.driver.adapters is not None else []
 
     def close(self) -> None:
         pass
@@ -169,11 +181,19 @@ class MultiprocExecutor(UniprocExecutor):
     def allocate_kv_cache(self, num_blocks: int, kv_cache_dtype: str = "auto") -> None:
         self._run("allocate_kv_cache", num_blocks, kv_cache_dtype)
 
-    def prefill_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor | None:
-        return self._run("prefill_logits", token_ids, block_table)
+    def prefill_logits(self, token_ids: list[int], block_table: list[int],
+                       adapter: str | None = None) -> torch.Tensor | None:
+        return self._run("prefill_logits", token_ids, block_table, adapter)
 
-    def prefill_hidden(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
-        return self._run("prefill_hidden", token_ids, block_table)
+    def prefill_hidden(self, token_ids: list[int], block_table: list[int], adapter: str | None = None) -> torch.Tensor:
+        return self._run("prefill_hidden", token_ids, block_table, adapter)
+
+    def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Every rank reads the adapter (its own share); a rank that cannot fails the group."""
+        return self._run("load_adapter", name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        self._run("unload_adapter", name)
 
     def close(self) -> None:
         """Stop every rank (they leave their loop), then reap what this engine started."""
@@ -252,7 +272,8 @@ def rank_op(runner: ModelRunner, op: str):
     """The runner method a command names; only :data:`RANK_OPS` may be asked for."""
     ops = {"execute": runner.execute, "move_kv_slots": runner.move_kv_slots,
            "allocate_kv_cache": runner.allocate_kv_cache, "prefill_logits": runner.prefill_logits,
-           "prefill_hidden": runner.prefill_hidden}
+           "prefill_hidden": runner.prefill_hidden, "load_adapter": runner.load_adapter,
+           "unload_adapter": runner.unload_adapter}
     if op not in ops:
         raise ValueError(f"unknown rank operation {op!r}")
     return ops[op]

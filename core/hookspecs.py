@@ -216,6 +216,25 @@ def register_tool_parsers(register: Register) -> None:
 
 
 @hookspec
+def register_adapters(register: Register) -> None:
+    """Register adapter kinds: low-rank updates over the base model's matmuls, many loaded
+    at once, each request naming its own (``SamplingParams.adapter``; the OpenAI ``model``
+    field), mixed in one step with the base.
+
+    Called once per plugin manager, at start-up. None is built unless the config selects
+    one (``[adapter] name = "lora"``, the ``[lora]`` table, ``--lora NAME=PATH`` or
+    ``--enable-lora``). Each rank builds its own over its share of the model.
+
+    :param register: as for :func:`register_schedulers`; ``factory(options)`` returns a
+        :class:`tokenloom.core.interfaces.AdapterManager`: ``attach(model, tp)`` wraps the
+        model's matmuls (``CausalLM.linear_sites`` / ``set_linear``), ``load`` / ``unload``
+        manage adapters by name, ``begin_step(rows, n)`` / ``end_step()`` bracket each step
+        with the rows each adapter covers. The built-in ``lora`` reads PEFT adapters.
+    :returns: nothing; results are ignored.
+    """
+
+
+@hookspec
 def engine_started(config: EngineConfig, engine: AsyncEngine) -> None:
     """The engine has loaded its model and built its strategies.
 

@@ -273,6 +273,13 @@ class CausalLM(Protocol):
         ``down``, an MoE's ``experts.E.gate_up`` ...), as packed: what offline calibration
         wraps and ``tokenloom eval`` reports."""
 
+    def linear_sites(self) -> list[LinearSite]:
+        """The dense matmuls a low-rank adapter may update (an MoE's experts are not among
+        them), with the checkpoint modules fused into each."""
+
+    def set_linear(self, layer: int, slot: str, weight: LinearWeight) -> None:
+        """Replace one of ``linear_sites()``' matmuls (an adapter's wrapper around it)."""
+
 
 @runtime_checkable
 class ModelArchitecture(Protocol):
@@ -341,9 +348,19 @@ class Executor(Protocol):
 
     def allocate_kv_cache(self, num_blocks: int, kv_cache_dtype: str = "auto") -> None: ...
 
-    def prefill_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor | None: ...
+    def prefill_logits(self, token_ids: list[int], block_table: list[int],
+                       adapter: str | None = None) -> torch.Tensor | None: ...
 
-    def prefill_hidden(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor: ...
+    def prefill_hidden(self, token_ids: list[int], block_table: list[int],
+                       adapter: str | None = None) -> torch.Tensor: ...
+
+    def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Every rank loads the adapter (AdapterManager.load); on the step thread, between steps."""
+
+    def unload_adapter(self, name: str) -> None: ...
+
+    def adapters(self) -> list[AdapterInfo]:
+        """The adapters the engine knows ([] without an adapter manager)."""
 
     def close(self) -> None:
         """Stop every other rank; idempotent."""
@@ -670,3 +687,79 @@ class ToolParser(Protocol):
     def system_prompt(self, functions: list[dict[str, Any]]) -> str:
         """The system-message text that shows the model ``functions`` (OpenAI's function
         objects) and its call format, for a chat template that does not read ``tools``."""
+
+
+@dataclass(frozen=True, slots=True)
+class LinearSite:
+    """One matmul a low-rank adapter may update, as a model exposes it (``CausalLM.linear_sites``).
+
+    ``layer`` and ``slot`` name it (``qkv``, ``o``, ``gate_up``, ``down``: the keys of
+    ``linear_layers()``); ``parts`` are the checkpoint modules fused into it, in output order
+    (``model.layers.3.self_attn.q_proj``, ``...k_proj``, ``...v_proj``), ``rows`` each part's
+    output rows in the whole (unsharded) model, ``in_features`` the whole input width.
+    ``kind`` is how tensor parallelism splits it (``TensorParallel.shard``: qkv and gate_up by
+    rows, o and down by columns), so an adapter's A and B are split the way its base is."""
+
+    layer: int
+    slot: str
+    parts: tuple[str, ...]
+    rows: tuple[int, ...]
+    in_features: int
+    kind: str
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterInfo:
+    """An adapter the engine knows (``AdapterManager.adapters``): its name (what a request's
+    ``SamplingParams.adapter`` and the OpenAI ``model`` field say), where it was read from,
+    its largest rank, the checkpoint modules it updates, the bytes its weights take once
+    resident, whether it is resident now, and a fingerprint of its contents (the prefix cache
+    keys blocks by it: two adapters never share KV, nor an adapter and the base)."""
+
+    name: str
+    path: str
+    rank: int
+    targets: tuple[str, ...]
+    nbytes: int
+    resident: bool
+    fingerprint: str
+
+
+@runtime_checkable
+class AdapterManager(Protocol):
+    """Low-rank adapters over the base model's matmuls, chosen per request and mixed in one
+    step (role ``adapter``, ``register_adapters`` in core/hookspecs.py). Each rank of a
+    tensor-parallel group holds one, over its own share of the model; every method but
+    :meth:`adapters` runs on the step thread, between steps, on every rank alike."""
+
+    merged: bool  # one adapter folded into the base weights at start-up: requests name it, nothing per step
+
+    def merge(self, weights: dict[str, Any]) -> None:
+        """Only when ``merged``: fold the one adapter into the checkpoint's tensors (HF names)
+        before the model is built; a tensor it cannot fold (stored quantised) is a
+        ConfigError naming it."""
+
+    def attach(self, model: CausalLM, tp: TensorParallel) -> None:
+        """Called once, after the weights are loaded: take over the matmuls of
+        ``model.linear_sites()`` (``model.set_linear``) so that the rows of a step that name an
+        adapter get its update. Raises ConfigError naming what it cannot adapt."""
+
+    def load(self, name: str, path: str) -> AdapterInfo:
+        """Read and check an adapter (a ConfigError naming the file, key or module it cannot
+        take: a rank above the limit, a target the model has no matmul for, ...), make it
+        resident, evicting the least recently used resident ones past the limits; replacing
+        a name is refused (unload it first)."""
+
+    def unload(self, name: str) -> None:
+        """Forget ``name`` (KeyError when unknown); its weights are freed."""
+
+    def adapters(self) -> list[AdapterInfo]:
+        """Every adapter known, loaded at start-up or since (resident or evicted)."""
+
+    def begin_step(self, rows: list[tuple[str, int, int]], num_rows: int) -> bool:
+        """The coming step's rows ``[start, end)`` that run under each named adapter (the
+        rest run the base); makes each resident. True when any row has an adapter: the model
+        then runs op by op (a captured step has no adapter in it)."""
+
+    def end_step(self) -> None:
+        """The step is over: every row runs the base again until the next ``begin_step``."""

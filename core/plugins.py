@@ -18,7 +18,7 @@ from tokenloom.core.errors import ConfigError, UnknownPluginError
 log = structlog.get_logger("tokenloom.plugins")
 
 ROLES = ("scheduler", "cache_manager", "quantizer", "decoder", "backend", "model_format", "architecture", "frontend",
-         "grammar", "tool_parser")
+         "grammar", "tool_parser", "adapter")
 _HOOK_OF_ROLE = {
     "scheduler": "register_schedulers",
     "cache_manager": "register_cache_managers",
@@ -30,6 +30,7 @@ _HOOK_OF_ROLE = {
     "frontend": "register_frontends",
     "grammar": "register_grammars",
     "tool_parser": "register_tool_parsers",
+    "adapter": "register_adapters",
 }
 ROLE_LABELS = {role: role.replace("_", " ") for role in ROLES} | {"architecture": "model architecture"}
 
@@ -56,6 +57,7 @@ BUILTIN_PLUGINS = (
     "tokenloom.protocols.frontends",
     "tokenloom.plugins.grammars",
     "tokenloom.plugins.tool_parsers",
+    "tokenloom.plugins.adapters.lora",
 )
 
 

@@ -9,7 +9,7 @@ from typing import cast
 import torch
 
 from tokenloom.core.attention import AttentionInputs, PrefillSpan, StepBuffers
-from tokenloom.core.interfaces import Backend, CausalLM, ModelRegistry
+from tokenloom.core.interfaces import AdapterInfo, AdapterManager, Backend, CausalLM, ModelRegistry
 from tokenloom.core.loader import LoadedCheckpoint
 from tokenloom.core.models.config import ModelConfig
 from tokenloom.core.models.registry import default_registry
@@ -77,6 +77,25 @@ class ModelRunner:
         self.kv_caches: list = []
         self.sampler = Sampler(seed, device)
         self.step_buffers = StepBuffers(device)  # the step's tables and lengths, written in place
+        self.adapters: AdapterManager | None = None  # attach_adapters
+
+    def attach_adapters(self, manager: AdapterManager) -> None:
+        """Let ``manager`` wrap the model's matmuls (each rank its own share) and load its
+        start-up adapters."""
+        manager.attach(self.model, self.tp)
+        self.adapters = manager
+
+    def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        if self.adapters is None:
+            from tokenloom.core.errors import ConfigError
+
+            raise ConfigError("this engine serves no adapters (start it with --lora NAME=PATH or --enable-lora)")
+        return self.adapters.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        if self.adapters is None:
+            raise KeyError(name)
+        self.adapters.unload(name)
 
     @property
     def captured(self) -> bool:
@@ -107,7 +126,8 @@ class ModelRunner:
         """Flatten the batch into a :class:`StepPlan`, and say which sequences sample this
         step and how many logit rows each gets (``1 + len(drafts)`` consecutive rows)."""
         bs = self.block_size
-        plan = StepPlan([], [], [], AttentionInputs(slot_mapping=None, block_size=bs), [], batch.copies)  # type: ignore[arg-type]
+        plan = StepPlan([], [], [], AttentionInputs(slot_mapping=None, block_size=bs), [], batch.copies,  # type: ignore[arg-type]
+                        [])
         input_ids, positions, slots, attn, sample_rows = (plan.input_ids, plan.positions, plan.slots, plan.attn,
                                                           plan.sample_rows)
         sample_seqs: list[Sequence] = []
@@ -119,6 +139,8 @@ class ModelRunner:
             start, row = seq.num_computed_tokens, len(input_ids)
             end = start + n
             k = len(drafts)
+            if seq.params.adapter is not None:  # its rows, drafts included, run under its adapter
+                plan.adapter_rows.append((seq.params.adapter, row, row + n + k))
             input_ids.extend(seq.token_ids[start:end])
             input_ids.extend(drafts)
             positions.extend(range(start, end))
@@ -160,12 +182,27 @@ class ModelRunner:
         if plan.copies:
             self.backend.copy_blocks(self.kv_caches, plan.copies)
         input_ids, positions, attn = self._tensors(plan)
-        hidden = self.model(input_ids, positions, self.kv_caches, self.backend.prepare(attn))
+        hidden = self._run_model(plan, input_ids, positions, attn)
         rows = plan.sample_rows
         if not rows:
             return None, None
         picked = hidden[torch.tensor(rows, device=self.device)] if len(rows) < hidden.shape[0] else hidden
         return self.model.compute_logits(picked), picked if return_hidden else None
+
+    def _run_model(self, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor,
+                   attn: AttentionInputs) -> torch.Tensor:
+        """The model over a plan's rows; rows under an adapter get its update (the adapter
+        manager brackets the step), and such a step runs op by op: the captured step holds
+        the base matmuls only."""
+        meta = self.backend.prepare(attn)
+        if self.adapters is None or not self.adapters.begin_step(plan.adapter_rows, len(plan.input_ids)):
+            return self.model(input_ids, positions, self.kv_caches, meta)
+        captured, self.model.captured = self.model.captured, None
+        try:
+            return self.model(input_ids, positions, self.kv_caches, meta)
+        finally:
+            self.model.captured = captured
+            self.adapters.end_step()
 
     def forward(self, batch: Batch, *, return_hidden: bool = False) -> ForwardOutput:
         """Run the batch (scheduled and draft tokens); return the logits of each sampling
@@ -184,25 +221,28 @@ class ModelRunner:
         self.backend.move_kv_slots(self.kv_caches, src, dst)
 
     @staticmethod
-    def score_plan(token_ids: list[int], block_table: list[int], block_size: int, all_rows: bool) -> StepPlan:
+    def score_plan(token_ids: list[int], block_table: list[int], block_size: int, all_rows: bool,
+                   adapter: str | None = None) -> StepPlan:
         """A plan that prefills one prompt (scoring, calibration, Medusa's features): every
-        row's logits (``all_rows``) or none, the hidden states kept."""
+        row's logits (``all_rows``) or none, the hidden states kept; under ``adapter`` if named."""
         n, bs = len(token_ids), block_size
         attn = AttentionInputs(slot_mapping=None, block_size=bs)  # type: ignore[arg-type]
         attn.prefills.append(PrefillSpan(0, n, n, block_table))
         return StepPlan(list(token_ids), list(range(n)), [block_table[p // bs] * bs + p % bs for p in range(n)], attn,
-                        list(range(n)) if all_rows else [], [])
+                        list(range(n)) if all_rows else [], [], [(adapter, 0, n)] if adapter is not None else [])
 
     @torch.inference_mode()
-    def prefill_hidden(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
+    def prefill_hidden(self, token_ids: list[int], block_table: list[int], adapter: str | None = None) -> torch.Tensor:
         """Final hidden states (before the last norm) for every position of one prompt."""
-        input_ids, positions, attn = self._tensors(self.score_plan(token_ids, block_table, self.block_size, False))
-        return self.model(input_ids, positions, self.kv_caches, self.backend.prepare(attn))
+        plan = self.score_plan(token_ids, block_table, self.block_size, False, adapter)
+        input_ids, positions, attn = self._tensors(plan)
+        return self._run_model(plan, input_ids, positions, attn)
 
     @torch.inference_mode()
-    def prefill_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor | None:
+    def prefill_logits(self, token_ids: list[int], block_table: list[int],
+                       adapter: str | None = None) -> torch.Tensor | None:
         """Logits for every position of one prompt (tests and scoring)."""
-        return self.execute(self.score_plan(token_ids, block_table, self.block_size, True))[0]
+        return self.execute(self.score_plan(token_ids, block_table, self.block_size, True, adapter))[0]
 
 
 @dataclass(slots=True)
@@ -216,6 +256,7 @@ class StepPlan:
     attn: AttentionInputs  # its slot_mapping and step tensors are filled in by each rank
     sample_rows: list[int]  # rows whose logits are wanted
     copies: list  # copy-on-write block copies to make first
+    adapter_rows: list[tuple[str, int, int]]  # (adapter, first row, end row): rows under an adapter
 
 
 def load_checkpoint(path, registry_formats: dict[str, Callable], dtype: torch.dtype, progress=None,

@@ -320,6 +320,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     and mean time per output token after it, in milliseconds. A target left ``None`` comes
     from the class's defaults in the ``slo`` scheduler's options; other schedulers ignore
     all three (they only label the request).
+    ``adapter`` names a low-rank adapter the engine serves (``--lora NAME=PATH``; the OpenAI
+    ``model`` field names one too): the request runs the base model with that adapter's
+    update, in the same steps as requests under other adapters or none (``None``: the base).
     """
 
     temperature: float = 1.0
@@ -337,6 +340,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     logprobs: int | None = None
     timeout_s: float | None = None
     decoder: str | None = None
+    adapter: str | None = None
     num_speculative_tokens: int | None = None
     slo_class: str | None = None
     ttft_ms: float | None = None
@@ -427,6 +431,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 raise ClientError.bad_value("timeout_s", self.timeout_s, f"in (0, {MAX_TIMEOUT_S:g}] seconds")
         if self.decoder is not None and (not isinstance(self.decoder, str) or not 0 < len(self.decoder) <= 64):
             raise ClientError.bad_value("decoder", self.decoder, "a decoder name")
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not 0 < len(self.adapter) <= 256):
+            raise ClientError.bad_value("adapter", self.adapter, "an adapter name")
         if self.num_speculative_tokens is not None:
             _int("num_speculative_tokens", self.num_speculative_tokens)
             if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:

@@ -20,7 +20,7 @@ def pm():
 def test_defaults(pm):
     cfg = build_config(pm)
     assert cfg.selection() == {"scheduler": "continuous", "cache_manager": "paged", "decoder": "standard",
-                               "backend": "torch", "quantizer": None}
+                               "backend": "torch", "quantizer": None, "adapter": None}
     # 0: auto, chosen at start-up from the KV pool and the machine (tests/test_scheduler_defaults.py)
     assert cfg.scheduler.options.max_num_seqs == cfg.scheduler.options.max_num_batched_tokens == 0
 
