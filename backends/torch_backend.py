@@ -41,6 +41,7 @@ from tokenloom.backends.torch_linear import Int4Linear, Int8Linear, pack, step_l
 from tokenloom.core.attention import AttentionInputs, apply_rope
 from tokenloom.core.hookspecs import hookimpl
 from tokenloom.core.interfaces import DecodeModel
+from tokenloom.core.weights import LowRankUpdated
 
 
 class TorchBackendOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -537,6 +538,8 @@ class TorchBackend:
             return None
         ops = self.fused_decode
         layers = []
+        low_rank = any(isinstance(lw, LowRankUpdated) for layer in model.layers
+                       for lw in (layer.qkv, layer.o, layer.gate_up, layer.down))
         for layer in model.layers:
             linears = [step_linear(lw, ops) for lw in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             if any(lin is None for lin in linears) or (layer.q_norm is None) != (layer.k_norm is None):
@@ -547,15 +550,16 @@ class TorchBackend:
                               [lyr.qkv_bias for lyr in model.layers], [lyr.q_norm for lyr in model.layers],
                               [lyr.k_norm for lyr in model.layers], model.num_heads, model.num_kv_heads,
                               model.head_dim, model.rms_norm_eps, model.head_dim**-0.5, model.dtype)
-        return CppDecodeStep(step, model.dtype)
+        return CppDecodeStep(step, model.dtype, low_rank)
 
 
 class CppDecodeStep:
     """The captured decode step (``TorchBackend.capture_decode``): runs a pure decode step on
     plain KV pools of the model dtype, and returns None for any other step."""
 
-    def __init__(self, step, dtype: torch.dtype):
+    def __init__(self, step, dtype: torch.dtype, low_rank: bool = False):
         self.step, self.dtype = step, dtype
+        self.low_rank = low_rank  # it runs the adapters' updates of LowRankUpdated matmuls
         self._bound = None  # the kv_caches list the C++ step holds
         self.steps = 0  # steps it ran (the rest ran op by op)
 

@@ -31,7 +31,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tokenloom.core.weights import Fp8Weight, QuantizedWeight, WeightSpec, dequantize
+from tokenloom.core.weights import (
+    Fp8Weight,
+    LowRankUpdated,
+    QuantizedWeight,
+    WeightSpec,
+    dequantize,
+)
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
@@ -273,6 +279,16 @@ def step_linear(lw, ops):
     """``lw`` as the C++ decode step's ``StepLinear`` (kernels/cpu_ops.py): the same kernel
     choice, kind by kind, made in C++; None for a kind it does not mirror."""
     none = torch.empty(0)
+    if isinstance(lw, LowRankUpdated):  # an adapter wrapper: its base, with the updates mirrored
+        base = step_linear(lw.base, ops)
+        if base is None:
+            return None
+        mirror = next((m for m in lw.step.mirrors if isinstance(m, ops.LoraStep)), None)
+        if mirror is None:
+            mirror = ops.LoraStep()
+            lw.step.mirrors.append(mirror)
+        base.set_lora(lw.lora_a, lw.lora_b, mirror)
+        return base
     if isinstance(lw, DenseLinear):
         return ops.StepLinear(0, lw.weight, none, 0, 0, None)
     if isinstance(lw, PackedLinear):

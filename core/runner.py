@@ -84,6 +84,8 @@ class ModelRunner:
         start-up adapters."""
         manager.attach(self.model, self.tp)
         self.adapters = manager
+        if self.model.captured is not None:  # again, over the wrapped matmuls: the backend may mirror them
+            self.model.capture()
 
     def load_adapter(self, name: str, path: str) -> AdapterInfo:
         if self.adapters is None:
@@ -134,8 +136,13 @@ class ModelRunner:
         row_counts: list[int] = []
         drafts_of = batch.draft_tokens or [[]] * len(batch.seqs)
         parents_of = batch.draft_parents or [None] * len(batch.seqs)
-        for seq, n, table, drafts, parents in zip(batch.seqs, batch.num_scheduled_tokens, batch.block_tables,
-                                                  drafts_of, parents_of, strict=True):
+        items = list(zip(batch.seqs, batch.num_scheduled_tokens, batch.block_tables, drafts_of, parents_of,
+                         strict=True))
+        if self.adapters is not None and any(seq.params.adapter is not None for seq in batch.seqs):
+            # rows grouped by adapter (base first, stable): each adapter's rows one contiguous span,
+            # which its updates read and write as views (the returned seqs follow this order)
+            items.sort(key=lambda item: item[0].params.adapter or "")
+        for seq, n, table, drafts, parents in items:
             start, row = seq.num_computed_tokens, len(input_ids)
             end = start + n
             k = len(drafts)
@@ -197,7 +204,9 @@ class ModelRunner:
         meta = self.backend.prepare(attn)
         if self.adapters is None or not self.adapters.begin_step(plan.adapter_rows, len(plan.input_ids)):
             return self.model(input_ids, positions, self.kv_caches, meta)
-        captured, self.model.captured = self.model.captured, None
+        captured = self.model.captured
+        if captured is not None and not getattr(captured, "low_rank", False):
+            self.model.captured = None  # a captured step that holds the base matmuls only
         try:
             return self.model(input_ids, positions, self.kv_caches, meta)
         finally:

@@ -12,7 +12,7 @@ dequantise it.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -204,6 +204,67 @@ class LinearWeight(Protocol):
 
     def nbytes(self) -> int:
         """Weight bytes one call reads (one layout)."""
+
+
+class LowRankStep:
+    """Which rows of the current step run under which low-rank adapter: one object shared by
+    every :class:`LowRankUpdated` matmul of a model (an adapter manager sets it before a step
+    and clears it after). Three layouts, each with its own ops (see LowRankUpdated):
+
+    - ``SINGLE``: one adapter (resident ``slot``) over rows ``start .. start + width``;
+    - ``BLOCKS``: ``n`` adapters (resident ``slots``), ``width`` rows each, one block after
+      another from row ``start``;
+    - ``GATHER``: anything else: ``gather`` [n * width] lists each adapter's rows, padded with
+      the step's row count (a zero row), ``scatter`` the same rows with the pads at row 0
+      (they add zeros).
+
+    ``all_slots``: ``slots`` is every resident slot in order (no selection of the buffers).
+    ``mirrors``: a backend's copies of this state (its captured step's), set and cleared with it."""
+
+    GATHER, SINGLE, BLOCKS = 0, 1, 2
+    __slots__ = ("active", "mode", "all_slots", "slots", "gather", "scatter", "n", "width", "start", "slot",
+                 "mirrors")
+
+    def __init__(self) -> None:
+        self.active = self.all_slots = False
+        self.mode = self.GATHER
+        self.slots: torch.Tensor | None = None
+        self.gather: torch.Tensor | None = None
+        self.scatter: torch.Tensor | None = None
+        self.n = self.width = self.start = self.slot = 0
+        self.mirrors: list[Any] = []
+
+    def set(self, mode: int, all_slots: bool, slots: torch.Tensor, gather: torch.Tensor, scatter: torch.Tensor,
+            n: int, width: int, start: int, slot: int) -> None:
+        self.mode, self.all_slots, self.slots, self.gather, self.scatter = mode, all_slots, slots, gather, scatter
+        self.n, self.width, self.start, self.slot = n, width, start, slot
+        self.active = True
+        for m in self.mirrors:
+            m.set(mode, all_slots, slots, gather, scatter, n, width, start, slot)
+
+    def clear(self) -> None:
+        self.active = False
+        for m in self.mirrors:
+            m.clear()
+
+
+@runtime_checkable
+class LowRankUpdated(Protocol):
+    """A matmul with low-rank adapter updates on top (an adapter manager's wrapper): ``base``
+    the packed matmul, ``lora_a`` [slots, in, R] and ``lora_b`` [slots, R, out] (scale folded
+    in) in the activation dtype, ``step`` the shared :class:`LowRankStep`. For the rows of
+    each adapter present, ``apply`` adds ``x @ A[slot] @ B[slot]`` to the base output ``y``,
+    by exactly these ops (a backend's captured step that mirrors it runs the same ones):
+    SINGLE ``y[rows].add_(mm(mm(x[rows], A[slot]), B[slot]))``; BLOCKS ``y[rows].view(n, width,
+    out).add_(bmm(bmm(x[rows].view(n, width, in), A'), B'))``; GATHER ``cat([x, zeros(1,
+    in)]).index_select(0, gather).view(n, width, in)``, ``bmm`` with A', ``bmm`` with B',
+    ``index_add_`` at ``scatter``; where A', B' are ``index_select(0, slots)`` of the buffers
+    unless ``all_slots``, and each product is cast to ``y``'s dtype before it is added."""
+
+    base: LinearWeight
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    step: LowRankStep
 
 
 def spec_to(spec: WeightSpec, device) -> WeightSpec:

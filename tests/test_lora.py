@@ -213,18 +213,18 @@ def test_loading_and_unloading_while_requests_run_loses_nothing(lora_setup):
             return last
 
         async def run():
-            long_a1 = asyncio.create_task(finished("a1", 200))
+            long_a1 = asyncio.create_task(finished("a1", 1000))
             await asyncio.sleep(0.05)
             await engine.load_adapter("a2", lora_setup["paths"]["a2"])  # while a1 streams
-            a2 = await finished("a2", 16)
-            assert a2.token_ids == _peft_greedy(lora_setup["peft"]["a2"], PROMPTS[0])
             unload = asyncio.create_task(engine.unload_adapter("a1"))  # waits for the running a1 request
             await asyncio.sleep(0.05)
             assert not unload.done()
             with pytest.raises(NotFound):  # new requests for it are refused at once
                 await finished("a1", 4)
+            a2 = await finished("a2", 16)
+            assert a2.token_ids == _peft_greedy(lora_setup["peft"]["a2"], PROMPTS[0])
             done = await long_a1
-            assert done.finish_reason == "length" and len(done.token_ids) == 200
+            assert done.finish_reason == "length" and len(done.token_ids) == 1000
             await unload
             assert [a.name for a in engine.adapters()] == ["a2"]
             with pytest.raises(NotFound):

@@ -19,6 +19,26 @@
 // (about 250 ops a step). Qwen2's q/k/v bias and Qwen3's per-head q/k RMSNorm are mirrored
 // too (DecodeStep::project_qkv), by the very ATen ops DecoderLayer.attend calls.
 
+// The current step's rows per adapter (core/weights.py LowRankStep, mirrored): set before a
+// step whose rows run under low-rank adapters, cleared after it. Shared by every matmul.
+struct LoraStep {
+  enum Mode : int64_t { GATHER = 0, SINGLE = 1, BLOCKS = 2 };
+  bool active = false;
+  int64_t mode = GATHER;
+  bool all = false;       // every resident slot present, in order: no index_select of the buffers
+  at::Tensor slots;       // [n] resident slot of each adapter present (SINGLE: its one slot)
+  at::Tensor gather;      // GATHER: [n * width] rows, padded with T (the zero row)
+  at::Tensor scatter;     // GATHER: [n * width] rows to add into (pads: row 0, adding zeros)
+  int64_t n = 0, width = 0, start = 0, slot = 0;
+
+  void set(int64_t mode_, bool all_slots, at::Tensor s, at::Tensor g, at::Tensor sc, int64_t n_, int64_t width_,
+           int64_t start_, int64_t slot_) {
+    mode = mode_; all = all_slots; slots = std::move(s); gather = std::move(g); scatter = std::move(sc);
+    n = n_; width = width_; start = start_; slot = slot_; active = true;
+  }
+  void clear() { active = false; }
+};
+
 // One matmul as the backend packed it (backends/torch_linear.py), mirrored kind by kind.
 struct StepLinear {
   enum Kind : int64_t { DENSE = 0, INT4 = 1, INT8 = 2, FP32_PACKED = 3 };
@@ -36,7 +56,45 @@ struct StepLinear {
     if (this->b.numel() == 0) this->b = at::Tensor();
   }
 
+  // low-rank updates (plugins/adapters/lora.py's LoraLinear, the same ops): A [slots, in, R],
+  // B [slots, R, out] (scale folded in), and the shared step state; absent without adapters
+  at::Tensor lora_a, lora_b;
+  std::shared_ptr<LoraStep> lora;
+
+  void set_lora(at::Tensor a, at::Tensor b, std::shared_ptr<LoraStep> step) {
+    lora_a = std::move(a); lora_b = std::move(b); lora = std::move(step);
+  }
+
   at::Tensor apply(const at::Tensor& x) const {
+    at::Tensor y = apply_base(x);
+    if (lora && lora->active) add_lora(x, y);
+    return y;
+  }
+
+  // the same ops as plugins/adapters/lora.py LoraLinear.apply, mode by mode
+  void add_lora(const at::Tensor& x, at::Tensor& y) const {
+    const LoraStep& st = *lora;
+    if (st.mode == LoraStep::SINGLE) {  // one adapter, rows [start, start + width)
+      const at::Tensor xs = x.narrow(0, st.start, st.width);
+      at::Tensor ys = y.narrow(0, st.start, st.width);
+      ys.add_(at::mm(at::mm(xs, lora_a.select(0, st.slot)), lora_b.select(0, st.slot)).to(y.scalar_type()));
+      return;
+    }
+    const at::Tensor a = st.all ? lora_a : lora_a.index_select(0, st.slots);
+    const at::Tensor b = st.all ? lora_b : lora_b.index_select(0, st.slots);
+    if (st.mode == LoraStep::BLOCKS) {  // n adapters, width rows each, one after another from start
+      const at::Tensor xs = x.narrow(0, st.start, st.n * st.width).view({st.n, st.width, x.size(1)});
+      at::Tensor ys = y.narrow(0, st.start, st.n * st.width).view({st.n, st.width, y.size(1)});
+      ys.add_(at::bmm(at::bmm(xs, a), b).to(y.scalar_type()));
+      return;
+    }
+    const at::Tensor xz = at::cat({x, x.new_zeros({1, x.size(1)})});
+    const at::Tensor u = at::bmm(xz.index_select(0, st.gather).view({st.n, st.width, x.size(1)}), a);
+    const at::Tensor d = at::bmm(u, b);
+    y.index_add_(0, st.scatter, d.view({-1, d.size(2)}).to(y.scalar_type()));
+  }
+
+  at::Tensor apply_base(const at::Tensor& x) const {
     const int64_t rows = x.size(0);
     if (kind == DENSE) return at::linear(x, a);
     if (kind == FP32_PACKED) {
@@ -163,8 +221,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slot_rows"), py::arg("q_row"), py::arg("q_len"), py::arg("scale"), py::arg("window") = 0,
         py::arg("softcap") = 0.0);
   m.def("silu_mul", &silu_mul);
+  py::class_<LoraStep, std::shared_ptr<LoraStep>>(m, "LoraStep")
+      .def(py::init<>())
+      .def("set", &LoraStep::set)
+      .def("clear", &LoraStep::clear);
   py::class_<StepLinear, std::shared_ptr<StepLinear>>(m, "StepLinear")
-      .def(py::init<int64_t, at::Tensor, at::Tensor, int64_t, int64_t, std::shared_ptr<StepLinear>>());
+      .def(py::init<int64_t, at::Tensor, at::Tensor, int64_t, int64_t, std::shared_ptr<StepLinear>>())
+      .def("set_lora", &StepLinear::set_lora);
   py::class_<DecodeStep>(m, "DecodeStep")
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>,
                     std::vector<std::shared_ptr<StepLinear>>, std::vector<std::shared_ptr<StepLinear>>,

@@ -46,7 +46,7 @@ from tokenloom.core.errors import ConfigError
 from tokenloom.core.hookspecs import hookimpl
 from tokenloom.core.interfaces import AdapterInfo, CausalLM, LinearSite
 from tokenloom.core.parallel import TensorParallel
-from tokenloom.core.weights import LinearWeight, dense_tensor
+from tokenloom.core.weights import LinearWeight, LowRankStep, dense_tensor
 
 log = structlog.get_logger("tokenloom.lora")
 
@@ -80,30 +80,18 @@ class _Adapter:
     slot: int | None = None  # its index in the resident buffers
 
 
-class _Step:
-    """The current step's rows per adapter slot, as gather/scatter indices (begin_step)."""
-
-    __slots__ = ("active", "slots", "gather", "scatter", "all_slots")
-
-    def __init__(self) -> None:
-        self.active = False
-        self.slots: torch.Tensor | None = None  # [n] resident slot of each adapter present
-        self.gather: torch.Tensor | None = None  # [n, L] rows (T: the zero row that pads)
-        self.scatter: torch.Tensor | None = None  # [n * L] rows to add into (pads: row 0, adding zeros)
-        self.all_slots = False  # every slot present, in order: no index_select of the buffers
-
-
 class LoraLinear:
-    """A site's base matmul plus the step's adapter updates (a LinearWeight)."""
+    """A site's base matmul plus the step's adapter updates (a LinearWeight, and a
+    ``LowRankUpdated`` that the torch backend's captured step mirrors)."""
 
-    __slots__ = ("base", "out_features", "in_features", "kernel", "a", "b", "step")
+    __slots__ = ("base", "out_features", "in_features", "kernel", "lora_a", "lora_b", "step")
 
-    def __init__(self, base: LinearWeight, step: _Step):
+    def __init__(self, base: LinearWeight, step: LowRankStep, lora_a: torch.Tensor, lora_b: torch.Tensor):
         self.base, self.step = base, step
         self.out_features, self.in_features = base.out_features, base.in_features
         self.kernel = base.kernel + " + lora"
-        self.a: torch.Tensor | None = None  # [slots, in, R] (this rank's in for o/down)
-        self.b: torch.Tensor | None = None  # [slots, R, out] (this rank's out for qkv/gate_up), scale folded in
+        self.lora_a = lora_a  # [slots, in, R] (this rank's in for o/down)
+        self.lora_b = lora_b  # [slots, R, out] (this rank's out for qkv/gate_up), scale folded in
 
     def nbytes(self) -> int:
         return self.base.nbytes()
@@ -113,12 +101,22 @@ class LoraLinear:
         st = self.step
         if not st.active:
             return y
-        a, b = (self.a, self.b) if st.all_slots else (self.a.index_select(0, st.slots), self.b.index_select(0, st.slots))
-        x2 = x.reshape(-1, x.shape[-1])
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        if st.mode == LowRankStep.SINGLE:  # one adapter over rows start .. start + width
+            xs, ys = x2.narrow(0, st.start, st.width), y2.narrow(0, st.start, st.width)
+            ys.add_(torch.mm(torch.mm(xs, self.lora_a.select(0, st.slot)), self.lora_b.select(0, st.slot)).to(y.dtype))
+            return y
+        a, b = self.lora_a, self.lora_b
+        if not st.all_slots:
+            a, b = a.index_select(0, st.slots), b.index_select(0, st.slots)
+        if st.mode == LowRankStep.BLOCKS:  # n adapters, width rows each, back to back from start
+            xs = x2.narrow(0, st.start, st.n * st.width).view(st.n, st.width, x2.shape[1])
+            ys = y2.narrow(0, st.start, st.n * st.width).view(st.n, st.width, y2.shape[1])
+            ys.add_(torch.bmm(torch.bmm(xs, a), b).to(y.dtype))
+            return y
         xz = torch.cat([x2, x2.new_zeros(1, x2.shape[1])])
-        u = torch.bmm(xz[st.gather], a)
+        u = torch.bmm(xz.index_select(0, st.gather).view(st.n, st.width, x2.shape[1]), a)
         d = torch.bmm(u, b)
-        y2 = y.view(-1, y.shape[-1])
         y2.index_add_(0, st.scatter, d.view(-1, d.shape[-1]).to(y2.dtype))
         return y
 
@@ -209,7 +207,7 @@ class LoraManager:
             raise ConfigError(f"adapter.merge folds exactly one adapter into the base weights; "
                               f"{len(options.modules)} are configured (adapter.modules / --lora)")
         self.merged = options.merge
-        self._step = _Step()
+        self._step = LowRankStep()
         self._adapters: OrderedDict[str, _Adapter] = OrderedDict()  # least recently used first
         self._wrappers: dict[str, tuple[LinearSite, LoraLinear]] = {}  # part module -> (site, wrapper)
         self._sites: list[tuple[LinearSite, LoraLinear]] = []
@@ -217,7 +215,7 @@ class LoraManager:
         self._cfg = None
         self._dtype = torch.float32
         self._device = torch.device("cpu")
-        self._free_slots: list[int] = []
+        self._free_slots: list[int] = list(range(self.options.max_loras))
         self._merged_info: AdapterInfo | None = None
 
     # ---- start-up ---------------------------------------------------------------------
@@ -251,8 +249,13 @@ class LoraManager:
         if not sites:
             raise ConfigError(f"adapter lora: model {type(model).__name__} offers no matmul to adapt")
         current = {(i, slot): lw for i, layer in enumerate(model.linear_layers()) for slot, lw in layer.items()}
+        n, rank = self.options.max_loras, self.options.max_lora_rank
         for site in sites:
-            wrapper = LoraLinear(current[(site.layer, site.slot)], self._step)
+            base = current[(site.layer, site.slot)]
+            r = rank * len(site.parts)  # each part its own rank block
+            wrapper = LoraLinear(base, self._step,
+                                 torch.zeros(n, base.in_features, r, dtype=self._dtype, device=self._device),
+                                 torch.zeros(n, r, base.out_features, dtype=self._dtype, device=self._device))
             model.set_linear(site.layer, site.slot, wrapper)
             self._sites.append((site, wrapper))
             for part in site.parts:
@@ -326,7 +329,6 @@ class LoraManager:
                                   f"max_lora_memory_mb {self.options.max_lora_memory_mb})")
             self._evict(victims[0])
             log.info("lora_evicted", adapter=victims[0].info.name, for_adapter=entry.info.name)
-        self._ensure_buffers()
         entry.slot = self._free_slots.pop(0)
         self._write(entry)
         entry.info = dataclasses.replace(entry.info, resident=True)
@@ -334,24 +336,13 @@ class LoraManager:
     def _evict(self, entry: _Adapter) -> None:
         if entry.slot is not None:
             for _, w in self._sites:
-                assert w.a is not None and w.b is not None
-                w.a[entry.slot].zero_()
-                w.b[entry.slot].zero_()
+                w.lora_a[entry.slot].zero_()
+                w.lora_b[entry.slot].zero_()
             self._free_slots.append(entry.slot)
             self._free_slots.sort()
             entry.slot = None
         entry.modules = None
         entry.info = dataclasses.replace(entry.info, resident=False)
-
-    def _ensure_buffers(self) -> None:
-        if self._sites and self._sites[0][1].a is not None:
-            return
-        n, rank = self.options.max_loras, self.options.max_lora_rank
-        for site, w in self._sites:
-            r = rank * len(site.parts)
-            w.a = torch.zeros(n, w.in_features, r, dtype=self._dtype, device=self._device)
-            w.b = torch.zeros(n, r, w.out_features, dtype=self._dtype, device=self._device)
-        self._free_slots = list(range(n))
 
     def _write(self, entry: _Adapter) -> None:
         """The adapter's modules into its slot: per site, A [in, R] and B [R, out] with each
@@ -377,15 +368,12 @@ class LoraManager:
                 b_full = tp.shard(site.kind, f"{entry.info.name}:{site.parts[0]}", b_full, cfg, "lora")
             else:
                 a_full = tp.shard(site.kind, f"{entry.info.name}:{site.parts[0]}", a_full, cfg, "lora")
-            assert w.a is not None and w.b is not None
-            w.a[entry.slot].copy_(a_full.t())
-            w.b[entry.slot].copy_(b_full.t())
+            w.lora_a[entry.slot].copy_(a_full.t())
+            w.lora_b[entry.slot].copy_(b_full.t())
 
     # ---- steps ----------------------------------------------------------------------------
     def begin_step(self, rows: list[tuple[str, int, int]], num_rows: int) -> bool:
-        st = self._step
         if not rows or self.merged:
-            st.active = False
             return False
         by_name: dict[str, list[int]] = {}
         for name, start, end in rows:
@@ -396,18 +384,26 @@ class LoraManager:
                 raise KeyError(f"adapter {name!r} is not loaded")
             self._make_resident(entry, keep=set(by_name))
         slots = [self._adapters[name].slot for name in by_name]
-        width = max(len(r) for r in by_name.values())
-        gather = [r + [num_rows] * (width - len(r)) for r in by_name.values()]
-        device = self._device
-        st.gather = torch.tensor(gather, dtype=torch.long, device=device)
-        st.scatter = torch.where(st.gather == num_rows, 0, st.gather).view(-1)
-        st.all_slots = slots == list(range(self.options.max_loras))
-        st.slots = torch.tensor(slots, dtype=torch.long, device=device)
-        st.active = True
+        spans = list(by_name.values())
+        width = max(len(r) for r in spans)
+        contiguous = all(r == list(range(r[0], r[0] + len(r))) for r in spans)
+        device, st = self._device, self._step
+        slot_t = torch.tensor(slots, dtype=torch.long, device=device)
+        all_slots = slots == list(range(self.options.max_loras))
+        if contiguous and len(spans) == 1:
+            st.set(st.SINGLE, all_slots, slot_t, slot_t, slot_t, 1, width, spans[0][0], slots[0])
+        elif contiguous and all(len(r) == width for r in spans) and all(
+                b[0] == a[0] + width for a, b in zip(spans, spans[1:], strict=False)):
+            st.set(st.BLOCKS, all_slots, slot_t, slot_t, slot_t, len(spans), width, spans[0][0], 0)
+        else:
+            gather = torch.tensor([r + [num_rows] * (width - len(r)) for r in spans], dtype=torch.long,
+                                  device=device).view(-1)
+            st.set(st.GATHER, all_slots, slot_t, gather, torch.where(gather == num_rows, 0, gather), len(spans),
+                   width, 0, 0)
         return True
 
     def end_step(self) -> None:
-        self._step.active = False
+        self._step.clear()
 
 
 @hookimpl

@@ -20,7 +20,7 @@ import structlog
 import torch
 from torch import nn
 
-from tokenloom.core.interfaces import CapturedStep, DecodeLayer, DecodeModel, Quantizer
+from tokenloom.core.interfaces import CapturedStep, DecodeLayer, DecodeModel, LinearSite, Quantizer
 from tokenloom.core.models.config import ModelConfig
 from tokenloom.core.parallel import TensorParallel
 from tokenloom.core.weights import (
@@ -300,6 +300,29 @@ class DecoderModel(nn.Module):
 
     def linear_layers(self) -> list[dict[str, LinearWeight]]:
         return [{"qkv": layer.qkv, "o": layer.o, **layer.mlp.linears()} for layer in self.decoder_layers]
+
+    def linear_sites(self) -> list[LinearSite]:
+        """qkv and o of every layer, gate_up and down where the MLP is the gated one (an MoE's
+        experts are not offered), named as in the checkpoint."""
+        cfg, names = self.cfg, self.names
+        d, ffn = cfg.hidden_size, cfg.intermediate_size
+        qkv_rows = (cfg.q_size, cfg.kv_size, cfg.kv_size) if len(names["qkv"]) == 3 else (cfg.q_size + 2 * cfg.kv_size,)
+        sites = []
+        for i, layer in enumerate(self.decoder_layers):
+            p = f"model.layers.{i}."
+            sites += [LinearSite(i, "qkv", tuple(p + n for n in names["qkv"]), qkv_rows, d, "qkv"),
+                      LinearSite(i, "o", tuple(p + n for n in names["o"]), (d,), cfg.q_size, "o")]
+            if isinstance(layer.mlp, GatedMLP):
+                gu_rows = (ffn, ffn) if len(names["gate_up"]) == 2 else (2 * ffn,)
+                sites += [LinearSite(i, "gate_up", tuple(p + n for n in names["gate_up"]), gu_rows, d, "gate_up"),
+                          LinearSite(i, "down", tuple(p + n for n in names["down"]), (d,), ffn, "down")]
+        return sites
+
+    def set_linear(self, layer: int, slot: str, weight: LinearWeight) -> None:
+        if slot not in ("qkv", "o", "gate_up", "down"):
+            raise KeyError(f"layer {layer} has no matmul {slot!r}")
+        owner = self.decoder_layers[layer]
+        setattr(owner.mlp if slot in ("gate_up", "down") else owner, slot, weight)
 
     # ---- loading --------------------------------------------------------------------------------
     @torch.inference_mode()
