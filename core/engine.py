@@ -21,7 +21,7 @@ from tokenloom.core import contracts
 from tokenloom.core.build import EngineParts, build_engine_parts
 from tokenloom.core.config import EngineConfig
 from tokenloom.core.detokenizer import IncrementalDetokenizer
-from tokenloom.core.errors import ClientError, NotFound, RequestTooLong
+from tokenloom.core.errors import AdaptersBusy, ClientError, NotFound, RequestTooLong
 from tokenloom.core.executor import ExecutorFailed
 from tokenloom.core.grammar import GrammarState
 from tokenloom.core.health import EngineHealth, HealthReport
@@ -62,6 +62,8 @@ class AsyncEngine:
         # take no new request and go once no live request uses them
         self._adapters: dict[str, AdapterInfo] = {a.name: a for a in self.executor.adapters()}
         self._unloading: set[str] = set()
+        manager = parts.runner.adapters
+        self._max_loras = manager.max_loras if manager is not None and not manager.merged else 0
         self._adapter_lock = asyncio.Lock()
         # decoders whose draft model does not carry an adapter: adapter requests decode plainly
         self._draft_decoders = {n for n, e in self.pm.entries("decoder").items() if e.loads_model}
@@ -226,6 +228,11 @@ class AsyncEngine:
         if name not in self._adapters or name in self._unloading:
             known = ", ".join(sorted(set(self._adapters) - self._unloading)) or "none"
             raise NotFound(f"adapter {name!r} is not loaded (adapters served: {known})", param="adapter", value=name)
+        if self._max_loras:
+            live = {r.seq.params.adapter for r in self._requests.values()} - {None}
+            if name not in live and len(live) >= self._max_loras:
+                raise AdaptersBusy(f"adapter {name!r} must wait: {len(live)} adapters are in use by running requests "
+                                   f"and a step mixes at most max_loras = {self._max_loras}", retry_after_ms=1000)
         decoder = params.decoder or self.config.decoder.name
         if decoder in self._draft_decoders:
             if params.decoder is not None:

@@ -79,3 +79,10 @@ class EngineUnavailable(ServerError):
     def __init__(self, message: str, *, retry_after_ms: int | None = None):
         super().__init__(message)
         self.retry_after_ms = retry_after_ms
+
+
+class AdaptersBusy(EngineUnavailable):
+    """A request names an adapter while ``max_loras`` others are in use by live requests: a
+    step mixes at most that many. Retry once one of them has finished."""
+
+    code = "adapters_busy"

@@ -737,6 +737,7 @@ class AdapterManager(Protocol):
     :meth:`adapters` runs on the step thread, between steps, on every rank alike."""
 
     merged: bool  # one adapter folded into the base weights at start-up: requests name it, nothing per step
+    max_loras: int  # adapters resident at once: a step mixes at most this many (the engine admits by it)
 
     def merge(self, weights: dict[str, Any]) -> None:
         """Only when ``merged``: fold the one adapter into the checkpoint's tensors (HF names)

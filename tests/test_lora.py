@@ -328,3 +328,32 @@ def test_two_gloo_ranks_split_the_adapters_as_their_base(lora_setup):
                 assert late == outs[2][0]
     assert outs[1] == outs[2]
     assert outs[1][0] == _peft_greedy(lora_setup["peft"]["a1"], prompts[0])
+
+
+def test_a_request_for_one_adapter_more_than_max_loras_in_use_waits_its_turn(lora_setup):
+    """A step mixes at most max_loras adapters: while that many are in use by live requests, a
+    request naming another is refused as busy (503-like, retry later), never failing the step."""
+    from tokenloom.core.errors import AdaptersBusy
+
+    with LLM(**tiny_engine_kwargs(lora_setup["base_dir"], adapter={
+            "name": "lora", "modules": {n: lora_setup["paths"][n] for n in ADAPTERS}, "max_lora_rank": 16,
+            "max_loras": 2})) as llm:
+        engine = llm.engine
+
+        async def run():
+            running = [engine.submit(PROMPTS[0], _greedy(600, adapter=n)) for n in ("a1", "a2")]
+            more_a1 = engine.submit(PROMPTS[1], _greedy(4, adapter="a1"))  # an adapter already in use: fine
+            with pytest.raises(AdaptersBusy) as err:
+                engine.submit(PROMPTS[0], _greedy(4, adapter="a3"))
+            assert "max_loras = 2" in str(err.value) and err.value.retry_after_ms
+            finals = []
+            for req in [*running, more_a1]:
+                async for out in engine.stream(req):
+                    last = out
+                finals.append(last)
+            assert [f.finish_reason for f in finals] == ["length"] * 3
+            async for out in engine.generate(PROMPTS[0], _greedy(8, adapter="a3")):  # their turn is over
+                last = out
+            assert last.token_ids == _peft_greedy(lora_setup["peft"]["a3"], PROMPTS[0], 8)
+
+        llm.run(run())

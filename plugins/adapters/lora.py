@@ -207,6 +207,7 @@ class LoraManager:
             raise ConfigError(f"adapter.merge folds exactly one adapter into the base weights; "
                               f"{len(options.modules)} are configured (adapter.modules / --lora)")
         self.merged = options.merge
+        self.max_loras = options.max_loras
         self._step = LowRankStep()
         self._adapters: OrderedDict[str, _Adapter] = OrderedDict()  # least recently used first
         self._wrappers: dict[str, tuple[LinearSite, LoraLinear]] = {}  # part module -> (site, wrapper)
