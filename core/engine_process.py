@@ -4,11 +4,20 @@ process runs the step loop (scheduling, the model step, detokenising, stop strin
 the GIL to itself, as vLLM v1's engine core and SGLang's scheduler process do.
 
 Wire: one AF_UNIX socket pair, frames of a 4-byte length and a msgpack body (msgspec).
-The frontend sends :class:`Submit`, :class:`Abort`, :class:`StatsQuery` and
-:class:`Shutdown`; the core answers with one :class:`Outputs` per turn of its event loop —
-in practice one per engine step — carrying every request's new deltas and Finisheds, which
-requests it accepted or refused, and its health when that changed. Nothing the core does
-waits on a client: the frontend reads every frame at once and queues the deltas per request.
+The frontend sends :class:`Submit`, :class:`Abort`, :class:`StatsQuery`,
+:class:`LoadAdapter`, :class:`UnloadAdapter` and :class:`Shutdown`; the core answers with one
+:class:`Outputs` per turn of its event loop — in practice one per engine step — carrying
+every request's new deltas and Finisheds, which requests it accepted or refused, and its
+health when that changed. Nothing the core does waits on a client: the frontend reads every
+frame at once and queues the deltas per request.
+
+Adapters (``--lora``): the client keeps the core's adapter list — sent with Ready, with
+every :class:`AdapterReply` (a load's or an unload's outcome: the exception pickled, as a
+refused Submit's) and with every :class:`StatsReply` — so that :meth:`EngineClient.adapters`,
+which the OpenAI frontend reads on every request, answers without a round trip. An unload
+takes its adapter off that list at once, as in-process. The adapters loaded or unloaded at
+run time are carried over a core restart: the new core loads the start-up set, and the
+client then loads and unloads to bring it back to the set the last successful calls left.
 
 Failure policy (as in-process, core/health.py): a failed step is handled inside the core
 (every request in flight ends with an error, the loop restarts after a back-off); the core
@@ -39,9 +48,10 @@ import msgspec
 import structlog
 
 from tokenloom.core.config import EngineConfig
-from tokenloom.core.errors import ClientError, EngineUnavailable
+from tokenloom.core.errors import ClientError, EngineUnavailable, NotFound
 from tokenloom.core.health import EngineHealth, HealthReport
 from tokenloom.core.inputs import check_length, encode_prompt, refuse_by_size
+from tokenloom.core.interfaces import AdapterInfo
 from tokenloom.core.models.config import ModelConfig
 from tokenloom.core.outputs import (
     Finished,
@@ -81,6 +91,17 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
+class LoadAdapter(msgspec.Struct, tag=True, array_like=True):
+    call_id: int
+    name: str
+    path: str
+
+
+class UnloadAdapter(msgspec.Struct, tag=True, array_like=True):
+    call_id: int
+    name: str
+
+
 class Refusal(msgspec.Struct, array_like=True):
     request_id: str
     error: bytes  # the pickled exception submit raised (ClientError, EngineUnavailable, ...)
@@ -107,6 +128,16 @@ class StatsReply(msgspec.Struct, tag=True, array_like=True):
     call_id: int
     stats: dict
     block_map: str
+    adapters: list[AdapterInfo] = msgspec.field(default_factory=list)  # the core's, as of this reply
+
+
+class AdapterReply(msgspec.Struct, tag=True, array_like=True):
+    """A LoadAdapter's or UnloadAdapter's outcome, and the core's adapters after it."""
+
+    call_id: int
+    adapters: list[AdapterInfo]
+    info: AdapterInfo | None = None  # what load_adapter returned
+    error: bytes | None = None  # the pickled exception it raised (ClientError, NotFound, ConfigError, ...)
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):
@@ -117,8 +148,8 @@ class StartFailed(msgspec.Struct, tag=True, array_like=True):
     error: bytes  # the pickled exception
 
 
-ToCore = Submit | Abort | StatsQuery | Shutdown
-ToFrontend = Outputs | StatsReply | Ready | StartFailed
+ToCore = Submit | Abort | StatsQuery | LoadAdapter | UnloadAdapter | Shutdown
+ToFrontend = Outputs | StatsReply | AdapterReply | Ready | StartFailed
 
 
 @dataclass(slots=True)
@@ -131,6 +162,7 @@ class EngineInfo:
     max_model_len: int
     kv_capacity_tokens: int
     pid: int
+    adapters: list[AdapterInfo] = field(default_factory=list)  # those served at start-up
 
 
 class _Channel:
@@ -245,7 +277,7 @@ async def _serve_core(sock: socket.socket, config: EngineConfig, show_progress: 
         channel.close()
         return
     info = EngineInfo(engine.tokenizer, engine.model_config, engine.model_name, engine.max_model_len,
-                      engine.kv_capacity_tokens, os.getpid())
+                      engine.kv_capacity_tokens, os.getpid(), engine.adapters())
     channel.send(Ready(pickle.dumps(info)))
     outbox = _Outbox(channel, engine)
     compiling: dict[str, bool] = {}  # constrained requests waiting for their grammar: aborted meanwhile?
@@ -269,7 +301,11 @@ async def _serve_core(sock: socket.socket, config: EngineConfig, show_progress: 
                         compiling[rid] = True  # aborted while its grammar compiles: aborted once submitted
                     engine.abort(rid)
             elif isinstance(msg, StatsQuery):
-                channel.send(StatsReply(msg.call_id, {**engine.stats(), **_memory("engine_")}, engine.kv_block_map()))
+                channel.send(StatsReply(msg.call_id, {**engine.stats(), **_memory("engine_")}, engine.kv_block_map(),
+                                        engine.adapters()))
+            elif isinstance(msg, LoadAdapter | UnloadAdapter):  # (an unload waits for its requests to end)
+                tasks.add(t := asyncio.get_running_loop().create_task(_adapter_call(engine, msg, outbox)))
+                t.add_done_callback(tasks.discard)
             elif isinstance(msg, Shutdown):
                 break
     finally:
@@ -307,6 +343,22 @@ async def _submit(engine, msg: Submit, outbox: _Outbox, compiling: dict[str, boo
     compiling.pop(msg.request_id, None)
 
 
+async def _adapter_call(engine, msg: LoadAdapter | UnloadAdapter, outbox: _Outbox) -> None:
+    """Run a load or unload on the engine; answer with its outcome and the adapters after it
+    (sent after the Outputs pending now: an unload's requests have ended before its reply)."""
+    info, error = None, None
+    try:
+        if isinstance(msg, LoadAdapter):
+            info = await engine.load_adapter(msg.name, msg.path)
+        else:
+            await engine.unload_adapter(msg.name)
+    except Exception as exc:  # ClientError (name taken), NotFound, ConfigError (the files), ...
+        error = _pickle_error(exc)
+    if outbox.scheduled:
+        outbox.flush()
+    outbox.channel.send(AdapterReply(msg.call_id, engine.adapters(), info, error))
+
+
 def _memory(prefix: str) -> dict[str, int]:
     from tokenloom.protocols.metrics import process_memory
 
@@ -332,14 +384,20 @@ class CoreDied(Exception):
 
 
 class EngineClient:
-    """The AsyncEngine surface a server uses (submit, stream, abort, stats, health), with the
-    engine core in a process of its own. Construct with :meth:`start` (it waits for the core
-    to load the model)."""
+    """The AsyncEngine surface a server uses (submit, stream, abort, stats, health, adapters),
+    with the engine core in a process of its own. Construct with :meth:`start` (it waits for
+    the core to load the model)."""
 
     def __init__(self, config: EngineConfig, plugin_manager: PluginManager, info: EngineInfo, *,
                  log_level: str = "INFO", show_progress: bool = False):
         self.config, self.pm = config, plugin_manager
+        self._adapters: dict[str, AdapterInfo] = {}  # the core's, as of its last word on them
+        self._unloading: set[str] = set()  # unloads sent, not yet answered: no new request for them
         self._set_info(info)
+        # the adapters the last successful load/unload calls left (name -> path): a new core
+        # after a restart is brought back to them
+        self._wanted: dict[str, str] = {a.name: a.path for a in info.adapters}
+        self._adapter_calls: dict[int, asyncio.Future] = {}
         self.log_level, self.show_progress = log_level, show_progress
         self.health = EngineHealth(config.engine.max_restarts, config.engine.restart_backoff_s)
         self.dead_event = asyncio.Event()
@@ -361,6 +419,7 @@ class EngineClient:
         self.model_name, self.max_model_len = info.model_name, info.max_model_len
         self.kv_capacity_tokens = info.kv_capacity_tokens
         self.core_pid = info.pid
+        self._adapters = {a.name: a for a in info.adapters}
 
     @classmethod
     async def start(cls, config: EngineConfig, plugin_manager: PluginManager | None = None, *,
@@ -470,6 +529,81 @@ class EngineClient:
     def kv_block_map(self) -> str:
         return self._block_map
 
+    # ---- adapters -----------------------------------------------------------------------------
+    def adapters(self) -> list[AdapterInfo]:
+        """The adapters the core serves (not those being unloaded), without a round trip:
+        the list its last reply carried (``resident`` as of then)."""
+        return [a for n, a in self._adapters.items() if n not in self._unloading]
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Load an adapter in the core (AsyncEngine.load_adapter's errors, raised here:
+        ClientError naming ``lora_name`` when the name is taken or invalid, ConfigError
+        naming what is wrong with the files)."""
+        if not isinstance(name, str) or not 0 < len(name) <= 256 or name in (self.model_name, self.config.engine.model):
+            raise ClientError.bad_value("lora_name", name, "a name of 1 to 256 characters other than the base model's")
+        if not isinstance(path, str):
+            raise ClientError.bad_value("lora_path", path, "a path (a string)")
+        reply = await self._adapter_call(lambda call: LoadAdapter(call, name, path))
+        self._wanted[name] = path
+        assert reply.info is not None
+        return reply.info
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop taking requests for ``name`` at once, and wait for the core to unload it
+        (once the live requests using it have ended). NotFound when it is not loaded."""
+        if not isinstance(name, str) or name in self._unloading:
+            raise NotFound(f"adapter {name!r} is not loaded", param="lora_name", value=name)
+        self._unloading.add(name)
+        try:
+            await self._adapter_call(lambda call: UnloadAdapter(call, name))
+            self._wanted.pop(name, None)
+        finally:
+            self._unloading.discard(name)
+
+    async def _adapter_call(self, make) -> AdapterReply:
+        self.health.check(time.monotonic())
+        if self._channel is None:
+            raise EngineUnavailable("the engine core is starting", retry_after_ms=1000)
+        self._next_call += 1
+        call = self._next_call
+        fut = self._adapter_calls[call] = asyncio.get_running_loop().create_future()
+        self._channel.send(make(call))
+        try:
+            reply: AdapterReply = await fut
+        finally:
+            self._adapter_calls.pop(call, None)
+        if reply.error is not None:
+            raise pickle.loads(reply.error)
+        return reply
+
+    async def _restore_adapters(self) -> None:
+        """After a restart: the new core serves the start-up adapters; load and unload until
+        it serves those the last successful calls left. One that fails now is logged and
+        dropped (it is not served)."""
+        try:
+            for name in [n for n in self._adapters if n not in self._wanted]:
+                try:
+                    await self._adapter_call(lambda call, name=name: UnloadAdapter(call, name))
+                except EngineUnavailable:
+                    raise
+                except Exception as exc:
+                    log.error("adapter_restore_failed", adapter=name, action="unload", error=str(exc))
+            for name, path in list(self._wanted.items()):
+                have = self._adapters.get(name)
+                if have is not None and have.path == path:
+                    continue
+                try:
+                    if have is not None:
+                        await self._adapter_call(lambda call, name=name: UnloadAdapter(call, name))
+                    await self._adapter_call(lambda call, name=name, path=path: LoadAdapter(call, name, path))
+                except EngineUnavailable:
+                    raise
+                except Exception as exc:
+                    log.error("adapter_restore_failed", adapter=name, action="load", error=str(exc))
+                    self._wanted.pop(name, None)
+        except EngineUnavailable:
+            pass  # this core died too: the next one is restored in turn
+
     def health_report(self) -> HealthReport:
         report = self.health.report(time.monotonic())
         if report.status == "ok" and self._channel is None and not self._closing:  # a new core is loading
@@ -505,6 +639,9 @@ class EngineClient:
         if self._channel is not None:
             self._channel.close()
         self._channel = None
+        for fut in self._adapter_calls.values():
+            if not fut.done():
+                fut.set_exception(EngineUnavailable("the engine is shutting down"))
 
     # ---- what comes back -------------------------------------------------------------------
     async def _read(self, channel: _Channel, process) -> None:
@@ -514,7 +651,13 @@ class EngineClient:
                 if isinstance(msg, Outputs):
                     self._on_outputs(msg)
                 elif isinstance(msg, StatsReply):
+                    self._adapters = {a.name: a for a in msg.adapters}
                     fut = self._stats_calls.get(msg.call_id)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
+                elif isinstance(msg, AdapterReply):
+                    self._adapters = {a.name: a for a in msg.adapters}  # before the caller resumes
+                    fut = self._adapter_calls.get(msg.call_id)
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -567,6 +710,9 @@ class EngineClient:
         for fut in self._stats_calls.values():
             if not fut.done():
                 fut.set_exception(CoreDied(reason))
+        for fut in self._adapter_calls.values():
+            if not fut.done():
+                fut.set_exception(EngineUnavailable(reason, retry_after_ms=1000))
         for rid, req in list(self._requests.items()):
             if req.accepted is not None and not req.accepted.done():
                 req.accepted.set_exception(EngineUnavailable(reason, retry_after_ms=1000))
@@ -597,6 +743,7 @@ class EngineClient:
         self.health.retry_at = 0.0
         log.info("engine_core_restarted", pid=info.pid)
         self._attach(process, channel)
+        await self._restore_adapters()
 
 
 def _exit_code(process) -> str:

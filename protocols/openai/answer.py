@@ -39,6 +39,8 @@ class Answer:
         self.rid = state.request_id
         self.rids = [s.request_id for s in self.states]
         self.id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + self.rid.removeprefix("oai-")
+        # the served name, or the adapter's the request named (as vLLM answers)
+        self.model = frontend.model if req.model in frontend.aliases else req.model
         self.created = int(time.time())
         self.finished = [False] * len(self.states)  # each sample's final result seen (and counted)
         # the client's own logprobs (best_of asks the engine for them to rank by)
@@ -86,7 +88,7 @@ class Answer:
 
     def _envelope(self, choices: list, *, stream: bool, **extra) -> dict:
         obj = self.kind + (".chunk" if stream and self.kind == "chat.completion" else "")
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.frontend.model,
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
     @staticmethod

@@ -10,7 +10,7 @@ import structlog
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from tokenloom.core.errors import ClientError, RequestTooLong, quoted
+from tokenloom.core.errors import ClientError, NotFound, RequestTooLong, quoted
 from tokenloom.protocols.gateway import Refusal
 from tokenloom.protocols.openai import schema
 
@@ -35,8 +35,15 @@ class HTTPError(Exception):
 
 def client_error(exc: ClientError, req=None) -> HTTPError:
     """400 naming the field the client sent (``max_completion_tokens`` where it used that
-    name, chat's ``top_logprobs`` for the engine's ``logprobs``)."""
+    name, chat's ``top_logprobs`` for the engine's ``logprobs``); 404 for NotFound (an
+    adapter a request's ``model`` named that went away before the engine took the request:
+    ``model_not_found``, as an unknown model)."""
     param, message = exc.param, str(exc)
+    if isinstance(exc, NotFound):
+        if param == "adapter" and isinstance(getattr(req, "model", None), str):
+            return HTTPError(404, f"The model {quoted(req.model)} does not exist ({message})", param="model",
+                             code="model_not_found")
+        return HTTPError(404, message, param=param, code=exc.code)
     if param == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
         param, message = "max_completion_tokens", message.replace("max_tokens", "max_completion_tokens")
     if param == "logprobs" and getattr(req, "top_logprobs", None) is not None:

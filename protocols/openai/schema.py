@@ -119,10 +119,30 @@ class CompletionRequest(_Sampling, kw_only=True):
     best_of: int | None = None
 
 
+class LoadLoraAdapterRequest(msgspec.Struct, kw_only=True):
+    """``POST /v1/load_lora_adapter`` (vLLM's body)."""
+
+    lora_name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    lora_path: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+
+
+class UnloadLoraAdapterRequest(msgspec.Struct, kw_only=True):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body; its ``lora_int_id`` is ignored)."""
+
+    lora_name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+
 def decode_request(body: bytes, kind: type[_Sampling]) -> _Sampling:
     """Parse a body; a ClientError naming the field for bad JSON, types or refused fields."""
+    req = decode_body(body, kind)
+    _refuse_unsupported(req)
+    return req
+
+
+def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    """Parse a body as ``kind``; a ClientError naming the field for bad JSON or types."""
     try:
-        req = msgspec.json.decode(body, type=kind)
+        return msgspec.json.decode(body, type=kind)
     except RecursionError:
         raise ClientError("JSON nested deeper than this server decodes") from None
     except msgspec.ValidationError as exc:
@@ -130,8 +150,6 @@ def decode_request(body: bytes, kind: type[_Sampling]) -> _Sampling:
         raise ClientError(text.splitlines()[0][:300], param=_param_of(text)) from None
     except msgspec.DecodeError as exc:
         raise ClientError(f"the body is not valid JSON: {str(exc)[:200]}") from None
-    _refuse_unsupported(req)
-    return req
 
 
 def _param_of(text: str) -> str | None:

@@ -2,11 +2,27 @@
 
 Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (``stream: true`` answers with server-sent events, ended by
-``data: [DONE]``), ``GET /health`` (the status; with the key the engine's state too, as on
-the WebSocket port) and ``GET /metrics`` (Prometheus, the whole server's; needs the key
-unless ``--public-metrics``). The rules are the gateway's, shared with the WebSocket
-frontend: the same API key (``Authorization: Bearer``), the same browser Origin list (with
-CORS headers for listed Origins), one queue limit, one connection count. Connections
+``data: [DONE]``), ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter``,
+``GET /health`` (the status; with the key the engine's state too, as on the WebSocket port)
+and ``GET /metrics`` (Prometheus, the whole server's; needs the key unless ``--public-metrics``).
+
+LoRA adapters, as vLLM serves them (``--lora NAME=PATH``, ``--enable-lora``): a request's
+``model`` names the base model or an adapter (the request then runs under it, and its
+answer's ``model`` says the adapter's name); ``/v1/models`` lists one card per adapter
+after the base's, with vLLM's ``root`` (the adapter's path) and ``parent`` (the base
+model's id). ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` and
+``POST /v1/unload_lora_adapter`` ``{"lora_name"}`` need the API key like every route, and
+answer 200 with vLLM's plain-text line (``Success: LoRA adapter 'x' added successfully.`` /
+``... removed successfully.``); errors are JSON as everywhere: 400 for a bad body (naming
+the field), a name taken (or the base model's), adapter files that cannot be served (the
+reason, ``param: lora_path``, ``code: invalid_adapter``) or a server started without an
+adapter role (``code: lora_not_enabled``), 404 (``not_found``) for unloading an unknown
+name, 503 while the engine restarts. An unload waits for the requests running under the
+adapter to finish (they end normally); new requests naming it get 404 from the start.
+
+The rules are the gateway's, shared with the WebSocket frontend: the same API key
+(``Authorization: Bearer``), the same browser Origin list (with CORS headers for listed
+Origins), one queue limit, one connection count. Connections
 (connection.py): a request head must arrive within ``--http-header-timeout`` and its body
 within ``--http-body-timeout`` (else 408 and close), an idle keep-alive connection is
 closed after ``--http-keepalive-timeout``, and a connection over ``--max-connections`` or
@@ -33,15 +49,16 @@ import socket
 import uuid
 from collections import OrderedDict
 
+import msgspec
 import structlog
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from tokenloom.core import tools
-from tokenloom.core.errors import ClientError, EngineUnavailable, quoted
+from tokenloom.core.errors import ClientError, ConfigError, EngineUnavailable, quoted
 from tokenloom.protocols.connections import install_accept_guard
 from tokenloom.protocols.gateway import RateLimited, Refused
 from tokenloom.protocols.metrics import health_body
@@ -91,6 +108,8 @@ class OpenAIFrontend:
             Route("/v1/models/{model_id:path}", self.get_model, methods=["GET"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ])
@@ -149,19 +168,73 @@ class OpenAIFrontend:
         logging.getLogger("uvicorn.error").removeFilter(self._quiet)
 
     # ---- routes -------------------------------------------------------------------------
-    def _model_card(self) -> dict:
-        return {"id": self.model, "object": "model", "created": 0, "owned_by": "tokenloom",
-                "max_model_len": self.engine.max_model_len}
+    def _model_card(self, adapter=None) -> dict:
+        """The base model's card, or an adapter's (vLLM's ``root``: its path, ``parent``: the base)."""
+        if adapter is None:
+            return {"id": self.model, "object": "model", "created": 0, "owned_by": "tokenloom",
+                    "root": self.engine.config.engine.model, "parent": None,
+                    "max_model_len": self.engine.max_model_len}
+        return {"id": adapter.name, "object": "model", "created": 0, "owned_by": "tokenloom", "root": adapter.path,
+                "parent": self.model, "max_model_len": self.engine.max_model_len}
+
+    def _adapters(self) -> dict:
+        return {a.name: a for a in self.engine.adapters()} if self.engine.config.adapter is not None else {}
+
+    def _served(self, model) -> str | None:
+        """What a request's ``model`` names: None for the base model, else the adapter's
+        name; a 404 ``model_not_found`` for anything else."""
+        if model in self.aliases:
+            return None
+        adapters = self._adapters()
+        if model in adapters:
+            return model
+        also = f" and {len(adapters)} LoRA adapter(s) (see /v1/models)" if adapters else ""
+        raise HTTPError(404, f"The model {quoted(model)} does not exist; this server serves {self.model!r}{also}",
+                        param="model", code="model_not_found")
 
     async def list_models(self, request: Request) -> Response:
-        return schema.json_response({"object": "list", "data": [self._model_card()]})
+        cards = [self._model_card()] + [self._model_card(a) for a in self._adapters().values()]
+        return schema.json_response({"object": "list", "data": cards})
 
     async def get_model(self, request: Request) -> Response:
-        model_id = request.path_params["model_id"]
-        if model_id not in self.aliases:
-            raise HTTPError(404, f"The model {quoted(model_id)} does not exist", param="model",
-                            code="model_not_found")
-        return schema.json_response(self._model_card())
+        name = self._served(request.path_params["model_id"])
+        return schema.json_response(self._model_card(None if name is None else self._adapters()[name]))
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's route: load a PEFT LoRA directory under a name requests can then give as ``model``."""
+        req = schema.decode_body(await self._body(request), schema.LoadLoraAdapterRequest)
+        self._adapter_role()
+        if req.lora_name in self.aliases:
+            raise HTTPError(400, f"lora_name {quoted(req.lora_name)} is the base model's name", param="lora_name",
+                            code="invalid_request")
+        await self._adapter_call(self.engine.load_adapter(req.lora_name, req.lora_path))
+        log.info("lora_adapter_loaded", adapter=req.lora_name, path=req.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's route: stop serving an adapter (once the requests running under it have ended)."""
+        req = schema.decode_body(await self._body(request), schema.UnloadLoraAdapterRequest)
+        self._adapter_role()
+        await self._adapter_call(self.engine.unload_adapter(req.lora_name))
+        log.info("lora_adapter_unloaded", adapter=req.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+    def _adapter_role(self) -> None:
+        if self.engine.config.adapter is None:
+            raise HTTPError(400, "this server serves no LoRA adapters: start it with --enable-lora (adapters loaded "
+                                 "at run time) or --lora NAME=PATH", code="lora_not_enabled")
+
+    @staticmethod
+    async def _adapter_call(call) -> None:
+        """Await a load or unload; its errors as HTTP ones (ClientError and NotFound pass to
+        the middleware: 400, 404)."""
+        try:
+            await call
+        except EngineUnavailable as exc:
+            raise HTTPError(503, str(exc), code=exc.code, kind="server_error",
+                            retry_after_ms=exc.retry_after_ms) from None
+        except ConfigError as exc:  # the adapter's files, its rank, its size, a merged engine ...
+            raise HTTPError(400, str(exc), param="lora_path", code="invalid_adapter") from None
 
     async def health(self, request: Request) -> Response:
         """As on the WebSocket port: the status alone, and with the API key (or none set)
@@ -234,12 +307,12 @@ class OpenAIFrontend:
                         **prompt) -> Response:
         """Admission through the gateway (reserve a queue slot, charge the rate limits,
         tokenise, submit), then the answer."""
-        if req.model not in self.aliases:
-            raise HTTPError(404, f"The model {quoted(req.model)} does not exist; this server serves {self.model!r}",
-                            param="model", code="model_not_found")
+        adapter = self._served(req.model)
         gateway, limiter = self.gateway, self._limiter(request)
         tool_constraint = tools.constraint(tool_request, self.tool_parser) if tool_request is not None else None
         params, open_ended = schema.sampling_params(req, num_logprobs, tool_constraint)
+        if adapter is not None:
+            params = msgspec.structs.replace(params, adapter=adapter)
         try:
             gateway.reserve()
             try:
@@ -269,7 +342,8 @@ class OpenAIFrontend:
     # ---- errors ---------------------------------------------------------------------------
     async def _not_found(self, request: Request, exc) -> Response:
         return HTTPError(404, f"no route {quoted(request.url.path)}; see /v1/models, /v1/completions, "
-                              "/v1/chat/completions", code="not_found").response()
+                              "/v1/chat/completions, /v1/load_lora_adapter, /v1/unload_lora_adapter",
+                         code="not_found").response()
 
     async def _not_allowed(self, request: Request, exc) -> Response:
         return HTTPError(405, f"{quoted(request.method)} is not allowed on {quoted(request.url.path)}",
