@@ -149,7 +149,10 @@ def read_adapter(name: str, path: str, max_rank: int) -> tuple[AdapterInfo, dict
     rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
     from safetensors.torch import load_file
 
-    tensors = load_file(str(w_path))
+    try:
+        tensors = load_file(str(w_path))
+    except Exception as exc:  # noqa: BLE001 - a truncated or foreign file: say which, as a ConfigError
+        raise ConfigError(f"adapter {name!r}: {w_path} cannot be read as safetensors: {exc}") from None
     found: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
