@@ -288,6 +288,8 @@ def step_linear(lw, ops):
             mirror = ops.LoraStep()
             lw.step.mirrors.append(mirror)
         base.set_lora(lw.lora_a, lw.lora_b, mirror)
+        base.set_lora_used(lw.used)
+        lw.mirrors.append(base)
         return base
     if isinstance(lw, DenseLinear):
         return ops.StepLinear(0, lw.weight, none, 0, 0, None)

@@ -71,7 +71,9 @@ def add_bench_parser(sub) -> None:
 
     lo = bsub.add_parser("lora", help="a decode step with many LoRA adapters in the batch vs the base model")
     lo.add_argument("--adapters", type=int, default=16, help="random adapters loaded (variants: 1, 4, 16 of them)")
-    lo.add_argument("--rank", type=int, default=16)
+    lo.add_argument("--rank", type=int, default=8, help="adapter rank (default 8, PEFT's)")
+    lo.add_argument("--targets", default="q_proj,v_proj",
+                    help="modules the adapters update (default q_proj,v_proj, PEFT's for LLaMA; all: q/k/v/o/gate/up/down)")
     lo.add_argument("--batch-size", type=int, default=32)
     lo.add_argument("--prompt-len", type=int, default=64)
     lo.add_argument("--steps", type=int, default=16, help="decode steps timed per variant and round")

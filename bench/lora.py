@@ -1,8 +1,9 @@
 """`tokenloom bench lora`: what serving many LoRA adapters in one batch costs a decode step.
 
 One engine with ``--adapters`` random adapters loaded (PEFT's format, written to a temporary
-directory: rank ``--rank`` on q/k/v/o and gate/up/down of every layer, so every matmul of
-the step carries an update). A batch of ``--batch-size`` sequences is prefilled once per
+directory: rank ``--rank`` on the ``--targets`` modules of every layer; by default PEFT's own
+defaults for LLaMA, ``r = 8`` on ``q_proj`` and ``v_proj``; ``--targets all`` puts them on
+q/k/v/o and gate/up/down, so every matmul of the step carries an update). A batch of ``--batch-size`` sequences is prefilled once per
 variant, then its decode steps are timed straight through the decoder (as `bench decode
 --profile` does): the base model alone, then the same batch with every row under one
 adapter, and with the rows spread round-robin over 4 and 16 distinct adapters (each
@@ -29,8 +30,8 @@ from tokenloom.core.sequence import Batch, Sequence
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_random_adapter(path: Path, cfg, rank: int, seed: int) -> None:
-    """A PEFT LoRA directory for a LLaMA-shaped ``cfg`` (ModelConfig), random small weights."""
+def write_random_adapter(path: Path, cfg, rank: int, seed: int, targets: tuple[str, ...] = TARGETS) -> None:
+    """A PEFT LoRA directory for a LLaMA-shaped ``cfg`` (ModelConfig) on ``targets``, random small weights."""
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(seed)
@@ -41,13 +42,15 @@ def write_random_adapter(path: Path, cfg, rank: int, seed: int) -> None:
     tensors = {}
     for i in range(cfg.num_layers):
         for module, (out, inp) in shapes.items():
+            if module.split(".")[-1] not in targets:
+                continue
             key = f"base_model.model.model.layers.{i}.{module}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, inp, generator=g) / inp ** 0.5
             tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.01
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
     (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS),
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
         "bias": "none", "use_rslora": False, "use_dora": False, "task_type": "CAUSAL_LM"}))
 
 
@@ -56,6 +59,12 @@ def run_lora(args, flags: dict, pm: PluginManager) -> dict:
     from tokenloom.core.loader.resolve import resolve_model_path
 
     n_adapters, batch, rank = args.adapters, args.batch_size, args.rank
+    targets = TARGETS if args.targets == "all" else tuple(args.targets.split(","))
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown:
+        from tokenloom.core.errors import ConfigError
+
+        raise ConfigError(f"--targets: unknown module {unknown[0]!r} (choose among {', '.join(TARGETS)}, or all)")
     with tempfile.TemporaryDirectory(prefix="tokenloom-bench-lora-") as tmp:
         # the model's shape first (a throwaway engine would cost a load: read the config only)
         from tokenloom.core import contracts
@@ -69,7 +78,7 @@ def run_lora(args, flags: dict, pm: PluginManager) -> dict:
         del ckpt
         modules = {}
         for i in range(n_adapters):
-            write_random_adapter(Path(tmp) / f"a{i}", cfg, rank, seed=i)
+            write_random_adapter(Path(tmp) / f"a{i}", cfg, rank, seed=i, targets=targets)
             modules[f"a{i}"] = str(Path(tmp) / f"a{i}")
         layer = {"adapter": {"name": "lora", "modules": modules, "max_loras": n_adapters, "max_lora_rank": rank},
                  "scheduler": {"max_num_seqs": batch}}
@@ -85,7 +94,8 @@ def run_lora(args, flags: dict, pm: PluginManager) -> dict:
             results = [{"variant": name, "adapters": k, "ms_per_step": statistics.median(times[name]),
                         "rounds_ms": times[name], "vs_base": statistics.median(times[name]) / base}
                        for name, k in variants]
-            return {"batch_size": batch, "rank": rank, "adapters_loaded": n_adapters, "steps": args.steps,
+            return {"batch_size": batch, "rank": rank, "targets": list(targets), "adapters_loaded": n_adapters,
+                    "steps": args.steps,
                     "prompt_len": args.prompt_len, "rounds": args.rounds, "threads": torch.get_num_threads(),
                     "dtype": str(llm.engine.runner.dtype).removeprefix("torch."),
                     "captured_base": llm.engine.runner.captured, "results": results}
@@ -131,7 +141,8 @@ def _step_ms(llm, batch: int, prompt_len: int, steps: int, distinct: int) -> flo
 
 def format_lora(report: dict) -> str:
     lines = [f"decode step at batch {report['batch_size']}, {report['adapters_loaded']} adapters of rank "
-             f"{report['rank']} loaded (q/k/v/o and MLP of every layer), {report['dtype']}, {report['threads']} "
+             f"{report['rank']} loaded (on {', '.join(report['targets'])} of every layer), {report['dtype']}, "
+             f"{report['threads']} "
              f"threads; median of {report['steps']} steps x {report['rounds']} interleaved rounds", "",
              "| rows under | ms / step | vs the base model |", "| --- | --- | --- |"]
     for r in report["results"]:

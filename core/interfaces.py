@@ -761,6 +761,10 @@ class AdapterManager(Protocol):
     def adapters(self) -> list[AdapterInfo]:
         """Every adapter known, loaded at start-up or since (resident or evicted)."""
 
+    def row_order(self, name: str) -> int:
+        """Where ``name``'s rows go in a step (the runner groups a step's rows by adapter in
+        this order, the base first): its resident slot, so that the rows' order is the slots'."""
+
     def begin_step(self, rows: list[tuple[str, int, int]], num_rows: int) -> bool:
         """The coming step's rows ``[start, end)`` that run under each named adapter (the
         rest run the base); makes each resident. True when any row has an adapter: the model

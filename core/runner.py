@@ -139,9 +139,11 @@ class ModelRunner:
         items = list(zip(batch.seqs, batch.num_scheduled_tokens, batch.block_tables, drafts_of, parents_of,
                          strict=True))
         if self.adapters is not None and any(seq.params.adapter is not None for seq in batch.seqs):
-            # rows grouped by adapter (base first, stable): each adapter's rows one contiguous span,
-            # which its updates read and write as views (the returned seqs follow this order)
-            items.sort(key=lambda item: item[0].params.adapter or "")
+            # rows grouped by adapter (base first, then by resident slot; stable): each adapter's rows
+            # one contiguous span, which its updates read and write as views (the returned seqs
+            # follow this order)
+            order = self.adapters.row_order
+            items.sort(key=lambda item: -1 if item[0].params.adapter is None else order(item[0].params.adapter))
         for seq, n, table, drafts, parents in items:
             start, row = seq.num_computed_tokens, len(input_ids)
             end = start + n

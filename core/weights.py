@@ -265,6 +265,10 @@ class LowRankUpdated(Protocol):
     lora_a: torch.Tensor
     lora_b: torch.Tensor
     step: LowRankStep
+    #: some resident adapter updates this matmul (its buffers are zeros otherwise: no update runs)
+    used: bool
+    #: a backend's copies of this matmul (its captured step's), told when ``used`` changes (``set_lora_used``)
+    mirrors: list[Any]
 
 
 def spec_to(spec: WeightSpec, device) -> WeightSpec:

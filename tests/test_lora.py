@@ -365,7 +365,8 @@ def test_bench_lora_runs_on_the_tiny_model(lora_setup):
     from tokenloom.bench.lora import format_lora, run_lora
     from tokenloom.core.plugins import PluginManager
 
-    args = argparse.Namespace(adapters=4, rank=4, batch_size=8, prompt_len=8, steps=2, rounds=1, config=None)
+    args = argparse.Namespace(adapters=4, rank=4, targets="all", batch_size=8, prompt_len=8, steps=2, rounds=1,
+                              config=None)
     report = run_lora(args, tiny_engine_kwargs(lora_setup["base_dir"]), PluginManager())
     assert [r["adapters"] for r in report["results"]] == [0, 1, 4]
     assert all(r["ms_per_step"] > 0 for r in report["results"]) and report["results"][0]["vs_base"] == 1.0

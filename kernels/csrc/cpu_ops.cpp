@@ -60,14 +60,16 @@ struct StepLinear {
   // B [slots, R, out] (scale folded in), and the shared step state; absent without adapters
   at::Tensor lora_a, lora_b;
   std::shared_ptr<LoraStep> lora;
+  bool lora_used = false;  // some resident adapter updates this matmul (else its buffers are zeros)
 
   void set_lora(at::Tensor a, at::Tensor b, std::shared_ptr<LoraStep> step) {
     lora_a = std::move(a); lora_b = std::move(b); lora = std::move(step);
   }
+  void set_lora_used(bool used) { lora_used = used; }
 
   at::Tensor apply(const at::Tensor& x) const {
     at::Tensor y = apply_base(x);
-    if (lora && lora->active) add_lora(x, y);
+    if (lora && lora_used && lora->active) add_lora(x, y);
     return y;
   }
 
@@ -227,7 +229,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("clear", &LoraStep::clear);
   py::class_<StepLinear, std::shared_ptr<StepLinear>>(m, "StepLinear")
       .def(py::init<int64_t, at::Tensor, at::Tensor, int64_t, int64_t, std::shared_ptr<StepLinear>>())
-      .def("set_lora", &StepLinear::set_lora);
+      .def("set_lora", &StepLinear::set_lora)
+      .def("set_lora_used", &StepLinear::set_lora_used);
   py::class_<DecodeStep>(m, "DecodeStep")
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>,
                     std::vector<std::shared_ptr<StepLinear>>, std::vector<std::shared_ptr<StepLinear>>,

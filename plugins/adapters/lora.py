@@ -84,7 +84,8 @@ class LoraLinear:
     """A site's base matmul plus the step's adapter updates (a LinearWeight, and a
     ``LowRankUpdated`` that the torch backend's captured step mirrors)."""
 
-    __slots__ = ("base", "out_features", "in_features", "kernel", "lora_a", "lora_b", "step")
+    __slots__ = ("base", "out_features", "in_features", "kernel", "lora_a", "lora_b", "step", "slots_used",
+                 "mirrors")
 
     def __init__(self, base: LinearWeight, step: LowRankStep, lora_a: torch.Tensor, lora_b: torch.Tensor):
         self.base, self.step = base, step
@@ -92,6 +93,19 @@ class LoraLinear:
         self.kernel = base.kernel + " + lora"
         self.lora_a = lora_a  # [slots, in, R] (this rank's in for o/down)
         self.lora_b = lora_b  # [slots, R, out] (this rank's out for qkv/gate_up), scale folded in
+        self.slots_used: set[int] = set()  # resident slots whose adapter updates this matmul
+        self.mirrors: list = []  # the captured step's copies (set_lora_used)
+
+    @property
+    def used(self) -> bool:
+        return bool(self.slots_used)
+
+    def mark(self, slot: int, used: bool) -> None:
+        before = self.used
+        (self.slots_used.add if used else self.slots_used.discard)(slot)
+        if self.used != before:
+            for m in self.mirrors:
+                m.set_lora_used(self.used)
 
     def nbytes(self) -> int:
         return self.base.nbytes()
@@ -99,7 +113,7 @@ class LoraLinear:
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base.apply(x)
         st = self.step
-        if not st.active:
+        if not (st.active and self.slots_used):
             return y
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
         if st.mode == LowRankStep.SINGLE:  # one adapter over rows start .. start + width
@@ -342,6 +356,7 @@ class LoraManager:
             for _, w in self._sites:
                 w.lora_a[entry.slot].zero_()
                 w.lora_b[entry.slot].zero_()
+                w.mark(entry.slot, False)
             self._free_slots.append(entry.slot)
             self._free_slots.sort()
             entry.slot = None
@@ -374,8 +389,13 @@ class LoraManager:
                 a_full = tp.shard(site.kind, f"{entry.info.name}:{site.parts[0]}", a_full, cfg, "lora")
             w.lora_a[entry.slot].copy_(a_full.t())
             w.lora_b[entry.slot].copy_(b_full.t())
+            w.mark(entry.slot, True)
 
     # ---- steps ----------------------------------------------------------------------------
+    def row_order(self, name: str) -> int:
+        entry = self._adapters.get(name)
+        return entry.slot if entry is not None and entry.slot is not None else self.options.max_loras
+
     def begin_step(self, rows: list[tuple[str, int, int]], num_rows: int) -> bool:
         if not rows or self.merged:
             return False
