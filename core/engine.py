@@ -67,10 +67,9 @@ class AsyncEngine:
         self._adapter_lock = asyncio.Lock()
         # decoders whose draft model does not carry an adapter: adapter requests decode plainly
         self._draft_decoders = {n for n, e in self.pm.entries("decoder").items() if e.loads_model}
-        if config.adapter is not None:
-            log.info("adapters_enabled", adapters=sorted(self._adapters), merged=config.adapter.name and
-                     any(a.nbytes == 0 and a.resident for a in self._adapters.values()),
-                     draft_decoders_step_aside=sorted(self._draft_decoders),
+        if parts.runner.adapters is not None:
+            log.info("adapters_enabled", adapters=sorted(self._adapters), merged=parts.runner.adapters.merged,
+                     max_loras=parts.runner.adapters.max_loras, draft_decoders_step_aside=sorted(self._draft_decoders),
                      note="adapter requests never use a draft model's decoder (its draft has no adapter): "
                           "they decode with standard instead; ngram and medusa verify under the adapter")
         self._requests: dict[str, RequestState] = {}
