@@ -190,6 +190,7 @@ def test_adapters_the_engine_cannot_serve_are_refused_at_load_naming_why(lora_se
         "another base model": (_edit_adapter(src, tmp_path / "shape", tensor_edit=lambda t: t.update({
             "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 96)})), {}),
         "no adapter_config.json": (str(tmp_path), {}),
+        "above max_lora_memory_mb 0": (str(src), {"max_lora_memory_mb": 0}),
     }
     for why, (path, options) in cases.items():
         with pytest.raises(ConfigError, match=why.split(",")[0].replace("(", r"\(")):

@@ -135,8 +135,9 @@ class LoraLinear:
         return y
 
 
-def read_adapter(name: str, path: str, max_rank: int) -> tuple[AdapterInfo, dict[str, _Module]]:
-    """A PEFT LoRA directory as module -> (A, B, scale) in float32, checked."""
+def read_adapter(name: str, path: str, max_rank: int, itemsize: int = 4) -> tuple[AdapterInfo, dict[str, _Module]]:
+    """A PEFT LoRA directory as module -> (A, B, scale) in float32, checked; ``itemsize``: the
+    bytes of one weight once resident (the activation dtype's), for ``AdapterInfo.nbytes``."""
     root = Path(path)
     cfg_path, w_path = root / CONFIG_FILE, root / WEIGHTS_FILE
     if not cfg_path.is_file():
@@ -195,7 +196,7 @@ def read_adapter(name: str, path: str, max_rank: int) -> tuple[AdapterInfo, dict
     if not modules:
         raise ConfigError(f"adapter {name!r}: {w_path} holds no LoRA weights")
     digest = hashlib.sha256(w_path.read_bytes()).hexdigest()[:16]
-    nbytes = sum((m.a.numel() + m.b.numel()) for m in modules.values())
+    nbytes = sum((m.a.numel() + m.b.numel()) for m in modules.values()) * itemsize
     info = AdapterInfo(name=name, path=str(root), rank=max(m.a.shape[0] for m in modules.values()),
                        targets=tuple(sorted({k.rsplit(".", 1)[-1] for k in modules})), nbytes=nbytes,
                        resident=False, fingerprint=digest)
@@ -293,10 +294,10 @@ class LoraManager:
                               "base weights: no other adapter can be loaded (adapter.merge)")
         if name in self._adapters:
             raise ConfigError(f"adapter {name!r} is already loaded (unload it first)")
-        info, modules = read_adapter(name, path, self.options.max_lora_rank)
+        info, modules = read_adapter(name, path, self.options.max_lora_rank, self._dtype.itemsize)
         self._check_targets(name, modules)
-        if info.nbytes * self._dtype.itemsize > self.options.max_lora_memory_mb << 20:
-            raise ConfigError(f"adapter {name!r} needs {info.nbytes * self._dtype.itemsize >> 20} MiB, above "
+        if info.nbytes > self.options.max_lora_memory_mb << 20:
+            raise ConfigError(f"adapter {name!r} needs {info.nbytes >> 20} MiB, above "
                               f"max_lora_memory_mb {self.options.max_lora_memory_mb}")
         entry = _Adapter(info, modules)
         self._adapters[name] = entry
@@ -334,11 +335,10 @@ class LoraManager:
         if entry.modules is None:  # evicted earlier: read again
             _, entry.modules = read_adapter(entry.info.name, entry.info.path, self.options.max_lora_rank)
         budget = self.options.max_lora_memory_mb << 20
-        itemsize = self._dtype.itemsize
         while True:
             resident = self._resident()
-            used = sum(a.info.nbytes for a in resident) * itemsize
-            if len(resident) < self.options.max_loras and used + entry.info.nbytes * itemsize <= budget:
+            used = sum(a.info.nbytes for a in resident)
+            if len(resident) < self.options.max_loras and used + entry.info.nbytes <= budget:
                 break
             victims = [a for a in resident if a.info.name not in keep]
             if not victims:
