@@ -207,7 +207,7 @@ class ModelRunner:
         if self.adapters is None or not self.adapters.begin_step(plan.adapter_rows, len(plan.input_ids)):
             return self.model(input_ids, positions, self.kv_caches, meta)
         captured = self.model.captured
-        if captured is not None and not getattr(captured, "low_rank", False):
+        if captured is not None and not captured.low_rank:
             self.model.captured = None  # a captured step that holds the base matmuls only
         try:
             return self.model(input_ids, positions, self.kv_caches, meta)

@@ -182,6 +182,26 @@ async def make_server(tiny_model_dir):
 SEPARATE = os.environ.get("TOKENLOOM_TEST_ENGINE_PROCESS") == "separate"
 
 
+def engine_core_pid(server_pid: int, wait_s: float = 0.0) -> int | None:
+    """The pid of the engine core a `tokenloom serve` process ``server_pid`` spawned (its child
+    running ``spawn_main``), looked for until ``wait_s`` has passed; None if there is none."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == server_pid and b"spawn_main" in cmdline:
+                return int(entry)
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.1)
+
+
 def start_serve_process(*args: str, url: str = r"ws://127\.0\.0\.1:\d+"):
     """``tokenloom serve ARGS`` as a real process: (process, its WebSocket URL, or the first
     match of ``url`` instead), read from the banner on its stderr (the process keeps running;

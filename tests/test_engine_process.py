@@ -18,7 +18,7 @@ from tokenloom.core.outputs import Finished, TokenDelta, read_stream
 from tokenloom.core.plugins import PluginManager
 from tokenloom.core.sampling_params import SamplingParams
 
-from conftest import engine_stats, start_serve_process, tiny_engine_kwargs
+from conftest import engine_core_pid, engine_stats, start_serve_process, tiny_engine_kwargs
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -154,27 +154,12 @@ async def test_past_max_restarts_a_dead_core_makes_the_engine_dead(tiny_model_di
         await client.aclose()
 
 
-def _core_pid(server_pid: int) -> int:
-    for _ in range(100):
-        for entry in os.listdir("/proc"):
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    cmdline = f.read()
-            except (OSError, ValueError, IndexError):
-                continue
-            if ppid == server_pid and b"spawn_main" in cmdline:
-                return int(entry)
-        time.sleep(0.1)
-    raise AssertionError("no engine core process")
-
-
 def test_serve_runs_the_core_apart_and_exits_1_when_it_dies_past_the_policy(tiny_model_dir):
     proc, url = start_serve_process("--model", str(tiny_model_dir), "--dtype", "float32", "--port", "0",
                                     "--frontends", "websocket", "--num-kv-blocks", "64", "--set", "max_restarts=0")
     try:
-        core = _core_pid(proc.pid)
+        core = engine_core_pid(proc.pid, wait_s=10)
+        assert core is not None, "no engine core process"
         import urllib.request
 
         base = url.replace("ws://", "http://")

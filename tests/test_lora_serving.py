@@ -28,7 +28,7 @@ from tokenloom.protocols.openai.schema import token_text  # noqa: E402
 from tokenloom.protocols.websocket.client import Client, RequestError  # noqa: E402
 from tokenloom.protocols.websocket.messages import Delta, Done  # noqa: E402
 
-from conftest import make_tiny_llama, start_serve_process, tiny_engine_kwargs  # noqa: E402
+from conftest import engine_core_pid, make_tiny_llama, start_serve_process, tiny_engine_kwargs  # noqa: E402
 
 KEY = "lora-key-123"
 PROMPT = "hello there"
@@ -274,11 +274,11 @@ def test_adapters_loaded_at_run_time_survive_a_core_restart(client, served, file
     assert _http(base + "/unload_lora_adapter", {"lora_name": "a0"})[0] == 200  # a start-up one
     before = [m.id for m in client.models.list().data]
     assert "a3" in before and "a0" not in before
-    core = _core_pid(served[0].pid)
+    core = engine_core_pid(served[0].pid)
     assert core is not None
     os.kill(core, signal.SIGKILL)
     deadline = time.monotonic() + 120
-    while _core_pid(served[0].pid) in (core, None):  # until the server has started a new core
+    while engine_core_pid(served[0].pid) in (core, None):  # until the server has started a new core
         assert time.monotonic() < deadline
         time.sleep(0.1)
     while True:
@@ -290,20 +290,6 @@ def test_adapters_loaded_at_run_time_survive_a_core_restart(client, served, file
     _assert_tokens(_complete(client, "a3"), expected["a1"])
     with pytest.raises(openai.NotFoundError):
         _complete(client, "a0")
-
-
-def _core_pid(server_pid: int) -> int | None:
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == server_pid and b"spawn_main" in cmdline:
-            return int(entry)
-    return None
 
 
 # ---- the same frontend over an in-process engine ----------------------------------------------
