@@ -18,6 +18,15 @@ speedup is ``E / c``. Here ``a`` and ``k`` are measured, and ``c`` is the mean d
 time (wall time after the first token over the steps after the prefill) over `standard`'s; ``k`` is the mean draft length of the steps that
 drafted, and steps that drafted nothing emit one token (``E`` is weighted by the share of
 steps that drafted). The table prints ``E`` beside the measured tokens per step.
+
+For a **tree** (Medusa, EAGLE) a per-token rate means nothing (many nodes compete for each
+depth), so ``E = 1 + sum_d prod_{i <= d} a_i`` with ``a_i`` the measured chance that the
+accepted branch reaches depth ``i`` once it reached ``i - 1`` (EAGLE-2's acceptance length
+from per-depth rates).
+
+**Row cost**: the target's forward for one sequence with 0, 4, 8 and 16 draft rows (a chain),
+timed directly; the table's footer gives the cost of one more verified row as a share of a
+plain step, which is what every speculative decoder pays per extra row on this machine.
 """
 
 from __future__ import annotations
@@ -67,6 +76,45 @@ def _expected_tokens(a: float, k: float) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
+def _tree_tokens(rates: list[float]) -> float:
+    total, run = 1.0, 1.0
+    for a in rates:
+        run *= a
+        total += run
+    return total
+
+
+def row_costs(engine, rows: tuple[int, ...] = (0, 4, 8, 16), reps: int = 7, context: int = 96) -> dict[int, float]:
+    """Median ms of the target's forward for one sequence of ``context`` tokens plus ``k``
+    draft rows (a chain), for each k in ``rows``."""
+    from tokenloom.core.sampling_params import SamplingParams
+    from tokenloom.core.sequence import Batch, Sequence
+
+    cache = engine.cache
+    seq = Sequence("row-cost", [(i * 37) % 1000 + 200 for i in range(context)], SamplingParams(max_tokens=1))
+    if not cache.allocate(seq, context, num_lookahead=max(rows)):
+        return {}
+    table = cache.block_table(seq)
+    try:
+        def run() -> dict[int, float]:
+            engine.executor.forward(Batch([seq], [context - 1], [table]))  # the context's KV
+            seq.num_computed_tokens = context - 1
+            out = {}
+            for k in rows:
+                times = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    engine.executor.forward(Batch([seq], [1], [table], draft_tokens=[[seq.token_ids[-1]] * k]))
+                    times.append(time.perf_counter() - t0)
+                out[k] = 1e3 * sorted(times)[reps // 2]
+            return out
+
+        return engine.call_in_step_thread(run)
+    finally:
+        seq.num_computed_tokens = 0
+        cache.free(seq)
+
+
 def run_spec(args, flags: dict, pm: PluginManager) -> dict:
     from tokenloom import LLM
     from tokenloom.core.sampling_params import SamplingParams
@@ -102,6 +150,8 @@ def run_spec(args, flags: dict, pm: PluginManager) -> dict:
                 drafting = delta.get(f"{dec}_drafting_steps", 0)
                 tokens = [o.token_ids for o in outs]
                 base_tokens = base_tokens or tokens
+                trees = delta.get(f"{dec}_tree_steps", 0) > 0
+                rates = engine.decoder.depth_acceptance(dec) if trees else None
                 rows.append({
                     "task": task, "decoder": dec, "requests": len(outs), "decode_tokens": decode_tokens,
                     "decode_tok_s": decode_tokens / decode_s,
@@ -110,7 +160,10 @@ def run_spec(args, flags: dict, pm: PluginManager) -> dict:
                     "drafted": drafted, "accepted": accepted, "steps": seq_steps, "drafting_steps": drafting, "acceptance": accepted / drafted if drafted else None,
                     "tokens_per_step": delta.get(f"{dec}_emitted", 0) / seq_steps if seq_steps else None,
                     "same_tokens_as_standard": tokens == base_tokens,
+                    "tree": trees, "depth_acceptance": rates,
+                    "drafted_by": _drafted_by(outs),
                 })
+        costs = row_costs(engine)
     finally:
         llm.close()
     for task in tasks:
@@ -124,21 +177,42 @@ def run_spec(args, flags: dict, pm: PluginManager) -> dict:
             if r["drafted"]:
                 k = r["mean_k"] = r["drafted"] / r["drafting_steps"]
                 share = r["drafting_steps"] / r["steps"]
-                expected = share * _expected_tokens(r["acceptance"], k) + (1 - share)
+                per_step = _tree_tokens(r["depth_acceptance"]) if r["tree"] else _expected_tokens(r["acceptance"], k)
+                expected = share * per_step + (1 - share)
             r["predicted_tokens_per_step"] = expected
             r["predicted_speedup"] = expected / r["cost_ratio"]
-    return {"k": args.k, "max_tokens": args.max_tokens, "rows": rows}
+    per_row = None
+    if costs and costs.get(0):
+        k = max(costs)
+        per_row = (costs[k] - costs[0]) / k / costs[0]
+    return {"k": args.k, "max_tokens": args.max_tokens, "rows": rows, "row_cost_ms": costs, "row_cost": per_row}
+
+
+def _drafted_by(outs) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for o in outs:
+        for name, n in o.metrics.drafted_by.items():
+            total[name] = total.get(name, 0) + n
+    return total
 
 
 def format_spec(report: dict) -> str:
     lines = [f"batch 1, greedy, max_tokens {report['max_tokens']}, K = {report['k']}", "",
              "| task | decoder | decode tok/s | speedup | predicted | step ms | cost ratio | acceptance | "
-             "tokens/step (predicted) | same tokens |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "tokens/step (predicted) | same tokens | drafted by |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in report["rows"]:
         acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
+        if r["tree"] and r["depth_acceptance"]:
+            acc = "tree " + "/".join(f"{a:.2f}" for a in r["depth_acceptance"][:6])
         tps = f"{r['tokens_per_step']:.2f} ({r['predicted_tokens_per_step']:.2f})" if r["tokens_per_step"] else "-"
+        by = ", ".join(f"{k} {v}" for k, v in sorted(r.get("drafted_by", {}).items())) or "-"
         lines.append(f"| {r['task']} | {r['decoder']} | {r['decode_tok_s']:.1f} | {r['speedup']:.2f}x | "
                      f"{r['predicted_speedup']:.2f}x | {r['step_ms']:.2f} | {r['cost_ratio']:.2f} | {acc} | {tps} | "
-                     f"{'yes' if r['same_tokens_as_standard'] else 'no'} |")
+                     f"{'yes' if r['same_tokens_as_standard'] else 'no'} | {by} |")
+    if report.get("row_cost_ms"):
+        costs = report["row_cost_ms"]
+        lines += ["", "target forward, one sequence: " + ", ".join(f"{k} draft rows {v:.2f} ms" for k, v in costs.items())
+                  + (f"; one more verified row costs {100 * report['row_cost']:.1f}% of a plain step"
+                     if report.get("row_cost") is not None else "")]
     return "\n".join(lines)

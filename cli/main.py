@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenloom.cli.quantize import add_quantize_parser
     from tokenloom.cli.router import add_router_parser
     from tokenloom.cli.serve import add_serve_parsers
+    from tokenloom.cli.train_eagle import add_train_eagle_parser
     from tokenloom.cli.train_medusa import add_train_medusa_parser
 
     add_serve_parsers(sub)
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(sub)
     add_quantize_parser(sub)
     add_train_medusa_parser(sub)
+    add_train_eagle_parser(sub)
     add_plan_parser(sub)
     return parser
 

@@ -89,6 +89,10 @@ async def serve_until_stopped(server, stop: asyncio.Event) -> int:
     return 0
 
 
+#: what `serve` changes from the engine's defaults (a config file or flag overrides it)
+SERVE_DEFAULTS = {"decoder": {"name": "auto"}}
+
+
 def serve_layer(args: argparse.Namespace) -> dict:
     """The serve-only flags as a config layer over ``[frontends]``."""
     from tokenloom.core.config import merge_layers, nested
@@ -134,7 +138,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             rate_limits=RateLimits(args.rate_limit_rpm, args.rate_limit_tpm),
                             public_metrics=args.public_metrics)
     pm = PluginManager()
-    config = config_from_sources(pm, args.config, flags)
+    # a server answers one chat at a time as often as it batches: `auto` speculates while the
+    # batch is small and steps aside under load (docs/speculative-decoding.md)
+    config = config_from_sources(pm, args.config, flags, defaults=SERVE_DEFAULTS)
     separate = config.engine.process in ("auto", "separate")
     if separate and config.engine.tensor_parallel_size > 1:
         if config.engine.process == "separate":

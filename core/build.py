@@ -48,10 +48,10 @@ log = structlog.get_logger("tokenloom.build")
 
 
 def config_from_sources(pm: PluginManager, config_file=None, flags: dict | None = None,
-                        kwargs: dict | None = None) -> EngineConfig:
-    """kwargs > flags > file > defaults."""
+                        kwargs: dict | None = None, defaults: dict | None = None) -> EngineConfig:
+    """kwargs > flags > file > ``defaults`` (a command's own, e.g. serve's decoder) > defaults."""
     file_layer = load_toml(config_file) if config_file else {}
-    return build_config(pm, file_layer, flags or {}, kwargs or {})
+    return build_config(pm, defaults or {}, file_layer, flags or {}, kwargs or {})
 
 
 @dataclass(slots=True)

@@ -580,6 +580,9 @@ class AsyncEngine:
         seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
         req.num_drafted += res.num_drafted
         req.num_accepted += res.num_accepted
+        if res.num_drafted:
+            by = res.drafted_by or seq.params.decoder or self.config.decoder.name
+            req.drafted_by[by] = req.drafted_by.get(by, 0) + res.num_drafted
         earlier = self._pending.pop(seq.request_id, None)
         if earlier is not None:  # (the loop publishes before every commit: kept in order regardless)
             self._publish_one(earlier)

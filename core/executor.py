@@ -44,7 +44,7 @@ import torch
 
 from tokenloom.core.interfaces import AdapterInfo
 from tokenloom.core.parallel import TensorParallel
-from tokenloom.core.runner import ForwardOutput, ModelRunner
+from tokenloom.core.runner import ForwardOutput, HiddenRows, ModelRunner, forward_output
 from tokenloom.core.sequence import Batch
 
 if TYPE_CHECKING:  # torch.distributed is imported where it is used
@@ -79,7 +79,7 @@ class UniprocExecutor:
     def __init__(self, runner: ModelRunner):
         self.driver = runner
 
-    def forward(self, batch: Batch, *, return_hidden: bool = False) -> ForwardOutput:
+    def forward(self, batch: Batch, *, return_hidden: HiddenRows = False) -> ForwardOutput:
         return self.driver.forward(batch, return_hidden=return_hidden)
 
     def move_kv_slots(self, src: list[int], dst: list[int]) -> None:
@@ -168,12 +168,10 @@ class MultiprocExecutor(UniprocExecutor):
                 return None
             time.sleep(0.05)
 
-    def forward(self, batch: Batch, *, return_hidden: bool = False) -> ForwardOutput:
+    def forward(self, batch: Batch, *, return_hidden: HiddenRows = False) -> ForwardOutput:
         plan, seqs, counts = self.driver.plan(batch)
         logits, hidden = self._run("execute", plan, return_hidden)
-        if not plan.sample_rows:
-            return ForwardOutput(None, [], [], None)
-        return ForwardOutput(logits, seqs, counts, hidden)
+        return forward_output(plan, seqs, counts, logits, hidden, return_hidden)
 
     def move_kv_slots(self, src: list[int], dst: list[int]) -> None:
         self._run("move_kv_slots", src, dst)

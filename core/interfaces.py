@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # annotations only: most of these import this module (a cycle
     from tokenloom.core.models.config import ModelConfig
     from tokenloom.core.parallel import TensorParallel
     from tokenloom.core.plugins import PluginManager
-    from tokenloom.core.runner import ForwardOutput, ModelRunner
+    from tokenloom.core.runner import ForwardOutput, HiddenRows, ModelRunner
     from tokenloom.core.sampling_params import Constraint
     from tokenloom.core.tools import ToolCall, ToolScan
     from tokenloom.protocols.gateway import Gateway
@@ -341,8 +341,10 @@ class Executor(Protocol):
     driver: ModelRunner  # rank 0's (its sampler and model: under tensor parallelism, one share)
     failed: str | None  # why the ranks cannot go on (a rank died or hung); None while healthy
 
-    def forward(self, batch: Batch, *, return_hidden: bool = False) -> ForwardOutput:
-        """The runner's ForwardOutput for ``batch``, every rank having run it."""
+    def forward(self, batch: Batch, *, return_hidden: HiddenRows = False) -> ForwardOutput:
+        """The runner's ForwardOutput for ``batch``, every rank having run it; with
+        ``return_hidden`` the sampled rows' final hidden states, with ``"all"`` every row's too
+        (``ForwardOutput.step_hidden``)."""
 
     def move_kv_slots(self, src: list[int], dst: list[int]) -> None: ...
 
@@ -413,6 +415,7 @@ class SequenceOutput:
     logprobs: list | None = None
     accepted_nodes: list[int] | None = None  # a tree's accepted branch, as draft indices
     forks: list[SequenceOutput] | None = None
+    drafted_by: str | None = None  # the decoder that proposed the drafts verified (``auto``'s choice)
 
 
 #: a step's result: an entry for each sequence that sampled (partial prefill chunks have none),

@@ -21,7 +21,8 @@ class RequestTimer:
     def on_tokens(self, now: float, n: int) -> None:
         self.token_times.extend([now] * n)
 
-    def finish(self, num_preemptions: int = 0, num_drafted: int = 0, num_accepted: int = 0) -> RequestMetrics:
+    def finish(self, num_preemptions: int = 0, num_drafted: int = 0, num_accepted: int = 0,
+               drafted_by: dict[str, int] | None = None) -> RequestMetrics:
         now = time.monotonic()
         t = self.token_times
         ttft = (t[0] - self.arrival) * 1e3 if t else None
@@ -30,7 +31,8 @@ class RequestTimer:
         queue = (self.first_scheduled - self.arrival) * 1e3 if self.first_scheduled is not None else None
         return RequestMetrics(ttft_ms=ttft, tpot_ms=tpot, e2e_ms=(now - self.arrival) * 1e3,
                               queue_ms=queue, itl_ms=itl, num_preemptions=num_preemptions,
-                              num_draft_tokens=num_drafted, num_accepted_tokens=num_accepted)
+                              num_draft_tokens=num_drafted, num_accepted_tokens=num_accepted,
+                              drafted_by=dict(drafted_by or {}))
 
 
 @dataclass(slots=True, kw_only=True)

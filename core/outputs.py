@@ -33,6 +33,7 @@ class RequestMetrics(msgspec.Struct, frozen=True, kw_only=True):
     num_preemptions: int = 0
     num_draft_tokens: int = 0  # speculative decoding: draft tokens verified
     num_accepted_tokens: int = 0  # of which accepted (each step also emits one target token)
+    drafted_by: dict[str, int] = msgspec.field(default_factory=dict)  # draft tokens per decoder that proposed them
 
 
 class TokenDelta(msgspec.Struct, frozen=True, kw_only=True):

@@ -47,6 +47,8 @@ BUILTIN_PLUGINS = (
     "tokenloom.plugins.decoders.ngram",
     "tokenloom.plugins.decoders.speculative",
     "tokenloom.plugins.decoders.medusa",
+    "tokenloom.plugins.decoders.eagle",
+    "tokenloom.plugins.decoders.auto",
     "tokenloom.plugins.quantizers.native",
     "tokenloom.plugins.quantizers.online",
     "tokenloom.plugins.quantizers.packed",

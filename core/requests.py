@@ -34,6 +34,7 @@ class RequestState:
     done: bool = False
     num_drafted: int = 0  # draft tokens verified for this request (speculative decoders)
     num_accepted: int = 0  # of which accepted
+    drafted_by: dict[str, int] = field(default_factory=dict)  # draft tokens per decoder that proposed them
     ending: SequenceStatus | None = None  # its end is committed; the Finished is on its way
     index: int = 0  # which sample of its request (SamplingParams.n) this is
     # every sample of the request, in index order (this one included): all n share the prompt
@@ -92,7 +93,7 @@ class RequestState:
             token_ids=seq.output_token_ids,
             usage=Usage(prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
                         completion_tokens=seq.num_output_tokens),
-            metrics=self.timer.finish(seq.num_preemptions, self.num_drafted, self.num_accepted), error=error,
+            metrics=self.timer.finish(seq.num_preemptions, self.num_drafted, self.num_accepted, self.drafted_by), error=error,
             index=self.index, prompt_logprobs=self.prompt_logprobs)
         self.queue.put_nowait(final)
         return final

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import cast
+from dataclasses import dataclass, field
+from typing import Literal, cast
 
 import torch
 
@@ -25,12 +25,24 @@ class ForwardOutput:
     ``logits [R, V]`` float32: for each sequence in ``seqs``, ``num_rows[i] = 1 + k`` rows in
     order: its last scheduled token, then its k draft tokens (row j predicts the token after
     draft j). ``hidden [R, H]``: the same rows' final hidden states (before the final norm),
-    only when asked (Medusa heads read them)."""
+    only when asked (Medusa heads read them).
+
+    Asked with ``return_hidden="all"`` (an EAGLE draft reads the target's features at every
+    position, prompt chunks included), ``step_hidden [N, H]`` holds every row the step ran,
+    in the step's row order, and ``first_row[seq_id]`` says where each scheduled sequence's
+    rows begin (its scheduled tokens, from position ``num_computed_tokens``, then its
+    drafts). Sequences that do not sample this step (a prompt chunk) appear there too."""
 
     logits: torch.Tensor | None
     seqs: list[Sequence]
     num_rows: list[int]
     hidden: torch.Tensor | None = None
+    step_hidden: torch.Tensor | None = None
+    first_row: dict[int, int] = field(default_factory=dict)
+
+
+#: which final hidden states a forward returns: none, the sampled rows', or every row's
+HiddenRows = bool | Literal["all"]
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -146,6 +158,7 @@ class ModelRunner:
             items.sort(key=lambda item: -1 if item[0].params.adapter is None else order(item[0].params.adapter))
         for seq, n, table, drafts, parents in items:
             start, row = seq.num_computed_tokens, len(input_ids)
+            plan.first_row[seq.seq_id] = row
             end = start + n
             k = len(drafts)
             if seq.params.adapter is not None:  # its rows, drafts included, run under its adapter
@@ -184,19 +197,21 @@ class ModelRunner:
                 torch.tensor(plan.positions, dtype=torch.long, device=dev), attn)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, return_hidden: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def execute(self, plan: StepPlan, return_hidden: HiddenRows = False
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run a plan: the logits of its sample rows (``None`` when it has none, and on every
-        rank but 0 under tensor parallelism) and, if asked, those rows' hidden states. Every
-        rank of a tensor-parallel group runs the same plan (core/executor.py)."""
+        rank but 0 under tensor parallelism) and, if asked, those rows' hidden states (every
+        row's with ``"all"``). Every rank of a tensor-parallel group runs the same plan
+        (core/executor.py)."""
         if plan.copies:
             self.backend.copy_blocks(self.kv_caches, plan.copies)
         input_ids, positions, attn = self._tensors(plan)
         hidden = self._run_model(plan, input_ids, positions, attn)
         rows = plan.sample_rows
         if not rows:
-            return None, None
+            return None, hidden if return_hidden == "all" else None
         picked = hidden[torch.tensor(rows, device=self.device)] if len(rows) < hidden.shape[0] else hidden
-        return self.model.compute_logits(picked), picked if return_hidden else None
+        return self.model.compute_logits(picked), hidden if return_hidden == "all" else picked if return_hidden else None
 
     def _run_model(self, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor,
                    attn: AttentionInputs) -> torch.Tensor:
@@ -215,7 +230,7 @@ class ModelRunner:
             self.model.captured = captured
             self.adapters.end_step()
 
-    def forward(self, batch: Batch, *, return_hidden: bool = False) -> ForwardOutput:
+    def forward(self, batch: Batch, *, return_hidden: HiddenRows = False) -> ForwardOutput:
         """Run the batch (scheduled and draft tokens); return the logits of each sampling
         sequence's last scheduled token and of its drafts (see :class:`ForwardOutput`).
         One rank only: an engine goes through its executor (core/executor.py)."""
@@ -223,10 +238,7 @@ class ModelRunner:
             raise RuntimeError("ModelRunner.forward under tensor parallelism would run rank 0 alone; "
                                "use the engine's executor (engine.executor.forward)")
         plan, seqs, counts = self.plan(batch)
-        logits, hidden = self.execute(plan, return_hidden)
-        if not plan.sample_rows:
-            return ForwardOutput(None, [], [], None)
-        return ForwardOutput(logits, seqs, counts, hidden)
+        return forward_output(plan, seqs, counts, *self.execute(plan, return_hidden), return_hidden)
 
     def move_kv_slots(self, src: list[int], dst: list[int]) -> None:
         self.backend.move_kv_slots(self.kv_caches, src, dst)
@@ -256,6 +268,17 @@ class ModelRunner:
         return self.execute(self.score_plan(token_ids, block_table, self.block_size, True, adapter))[0]
 
 
+def forward_output(plan: StepPlan, seqs: list[Sequence], counts: list[int], logits: torch.Tensor | None,
+                   hidden: torch.Tensor | None, return_hidden: HiddenRows) -> ForwardOutput:
+    """A plan's :class:`ForwardOutput` from what :meth:`ModelRunner.execute` returned."""
+    if return_hidden != "all":
+        return ForwardOutput(logits, seqs, counts, hidden) if plan.sample_rows else ForwardOutput(None, [], [], None)
+    picked = None
+    if plan.sample_rows and hidden is not None:
+        picked = hidden[torch.tensor(plan.sample_rows, device=hidden.device)]
+    return ForwardOutput(logits if plan.sample_rows else None, seqs, counts, picked, hidden, plan.first_row)
+
+
 @dataclass(slots=True)
 class StepPlan:
     """One step's inputs as plain lists: what :meth:`ModelRunner.execute` runs. Built on
@@ -268,6 +291,7 @@ class StepPlan:
     sample_rows: list[int]  # rows whose logits are wanted
     copies: list  # copy-on-write block copies to make first
     adapter_rows: list[tuple[str, int, int]]  # (adapter, first row, end row): rows under an adapter
+    first_row: dict[int, int] = field(default_factory=dict)  # seq_id -> the first row of its span
 
 
 def load_checkpoint(path, registry_formats: dict[str, Callable], dtype: torch.dtype, progress=None,

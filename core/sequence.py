@@ -64,6 +64,9 @@ class Sequence:
     # A tree of drafts instead of a chain: draft_parents[i] is the index of node i's parent
     # (-1: the sequence's last token); nodes come parents first, depth by depth. None: a chain.
     draft_parents: list[int] | None = None
+    # Which decoder proposed them, when the request's decoder chooses among several (`auto`);
+    # None: the request's own decoder.
+    drafted_by: str | None = None
     # The request's other samples (SamplingParams.n > 1) waiting for this sequence's prefill:
     # in the step that samples its first token, each samples its own first token from the
     # same logits row, then forks this sequence's KV blocks (AsyncEngine._fork_samples).

@@ -63,7 +63,7 @@ VENV_BIN = Path(sys.executable).parent
 COMMAND_TIMEOUT_S = 300
 README_MAX_LINES = 250
 #: sub-commands that take --model (the engine flags); `tokenloom plugins` and `chat` do not
-MODEL_COMMANDS = {"generate", "config", "plan", "bench", "quantize", "eval", "train-medusa"}
+MODEL_COMMANDS = {"generate", "config", "plan", "bench", "quantize", "eval", "train-medusa", "train-eagle"}
 
 
 # ---- runnable blocks -----------------------------------------------------------------------

@@ -28,8 +28,8 @@ import structlog
 
 from tokenloom.core.executor import UniprocExecutor
 from tokenloom.core.interfaces import DecoderContext, DecoderOutput, SequenceOutput
-from tokenloom.core.runner import ForwardOutput
-from tokenloom.core.sequence import Batch, Sequence
+from tokenloom.core.runner import ForwardOutput, HiddenRows
+from tokenloom.core.sequence import Batch, Sequence, draft_depths
 from tokenloom.plugins.decoders.verify import verify
 
 log = structlog.get_logger("tokenloom.decoders")
@@ -48,7 +48,7 @@ class SharedStepDecoder:
     name = "standard"
     default_k = 0
     max_batch = 1 << 30
-    needs_hidden = False
+    needs_hidden: HiddenRows = False  # True: the sampled rows' hidden states; "all": every row's (observe)
 
     def __init__(self, options, context: DecoderContext):
         self.options = options
@@ -58,8 +58,11 @@ class SharedStepDecoder:
         # Requests name decoders as the registry does: the configured one is this object.
         self._proposers: dict[str, SharedStepDecoder] = {self.name: self, context.config.decoder.name: self}
         self._counters: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(
-            ("steps", "drafting_steps", "drafted", "accepted", "emitted", "skipped", "paused"), 0))
+            ("steps", "drafting_steps", "drafted", "accepted", "emitted", "skipped", "paused", "tree_steps"), 0))
         self._gain: dict[int, list] = {}
+        # per decoder name, per depth d (index d - 1): steps whose drafts reached depth d with
+        # the accepted branch at depth d - 1, and of those, steps that accepted depth d
+        self._depth_counts: dict[str, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
         self.unavailable: dict[str, str] = dict(context.disabled_decoders)  # name -> why a request may not name it
         self._build_proposers(context.per_request_decoders)
 
@@ -70,6 +73,12 @@ class SharedStepDecoder:
         ``seq.token_ids``). ``standard`` proposes nothing."""
         for seq in seqs:
             seq.draft_token_ids = []
+
+    def observe(self, batch: Batch, forward: ForwardOutput, result: DecoderOutput, seqs: list[Sequence]) -> None:
+        """After every step that ran ``seqs`` (this decoder's requests in ``batch``, prompt
+        chunks included, whether or not they propose next), before their new tokens join
+        ``seq.token_ids``: a decoder with ``needs_hidden = "all"`` reads their rows'
+        hidden states here (``forward.step_hidden``, ``forward.first_row``)."""
 
     def discard(self, seq: Sequence, output: SequenceOutput) -> None:
         """``seq`` verified ``output`` but proposes nothing next (paused or skipped): bring
@@ -139,9 +148,16 @@ class SharedStepDecoder:
 
     def step(self, batch: Batch) -> DecoderOutput:
         proposers = {seq: self.proposer_for(seq) for seq in batch.seqs}
-        need_hidden = any(p.needs_hidden for p in proposers.values())
-        fwd = self.executor.forward(batch, return_hidden=need_hidden)
+        wants = {p.needs_hidden for p in proposers.values()}
+        fwd = self.executor.forward(batch, return_hidden="all" if "all" in wants else True in wants)
+        observers: dict[SharedStepDecoder, list[Sequence]] = defaultdict(list)
+        if "all" in wants:
+            for seq, p in proposers.items():
+                if p.needs_hidden == "all":
+                    observers[p].append(seq)
         if fwd.logits is None:
+            for p, seqs in observers.items():
+                p.observe(batch, fwd, {}, seqs)
             return {}
         index = {seq: i for i, seq in enumerate(batch.seqs)}
         drafts = [batch.draft_tokens[index[seq]] if batch.draft_tokens else [] for seq in fwd.seqs]
@@ -149,9 +165,14 @@ class SharedStepDecoder:
         qs = [proposers[seq].draft_probs(seq, len(d)) if d else None for seq, d in zip(fwd.seqs, drafts, strict=True)]
         outs = self.verify_drafts(fwd, drafts, qs, parents)
         result: DecoderOutput = dict(zip(fwd.seqs, outs, strict=True))
-        self._move_accepted_branches(batch, index, result)
-        by_proposer: dict[SharedStepDecoder, list[Sequence]] = defaultdict(list)
         for seq, out in result.items():
+            if out.num_drafted:
+                out.drafted_by = seq.drafted_by or proposers[seq].name
+        self._move_accepted_branches(batch, index, result)
+        for p, seqs in observers.items():
+            p.observe(batch, fwd, result, seqs)
+        by_proposer: dict[SharedStepDecoder, list[Sequence]] = defaultdict(list)
+        for i, (seq, out) in enumerate(result.items()):
             proposer = proposers[seq]
             c = self._counters[proposer.name]
             c["steps"] += 1
@@ -159,6 +180,8 @@ class SharedStepDecoder:
             c["drafted"] += out.num_drafted
             c["accepted"] += out.num_accepted
             c["emitted"] += len(out.token_ids)
+            if out.num_drafted:
+                self._count_depths(proposer.name, drafts[i], parents[i], out.num_accepted)
             if type(proposer).propose is SharedStepDecoder.propose:
                 continue  # plain decoding: nothing to propose, no drafts to pause (the hot path)
             if not self._pays(seq, out):
@@ -185,6 +208,25 @@ class SharedStepDecoder:
             if out.forks:                        # which only see the sequences the forward ran
                 result.update(zip(seq.forks, out.forks, strict=True))
         return result
+
+    def _count_depths(self, name: str, drafts: list[int], parents: list[int] | None, accepted: int) -> None:
+        reached, kept = self._depth_counts[name]
+        deepest = max(draft_depths(parents)) if parents is not None else len(drafts)
+        if parents is not None:
+            self._counters[name]["tree_steps"] += 1
+        for d in range(1, deepest + 1):
+            if len(reached) < d:
+                reached.append(0)
+                kept.append(0)
+            if accepted >= d - 1:
+                reached[d - 1] += 1
+                kept[d - 1] += accepted >= d
+
+    def depth_acceptance(self, name: str) -> list[float]:
+        """Per depth d: how often the accepted branch reached depth d when it had reached d - 1
+        and the drafts went that deep (a tree's acceptance, depth by depth)."""
+        reached, kept = self._depth_counts.get(name, ([], []))
+        return [k / r if r else 0.0 for r, k in zip(reached, kept, strict=True)]
 
     def _pays(self, seq: Sequence, out: SequenceOutput) -> bool:
         """Does drafting still pay for ``seq``? An exponential average of the drafts it
@@ -216,6 +258,10 @@ class SharedStepDecoder:
     def release_state(self, seq: Sequence) -> None:
         """Drop what this decoder keeps per sequence (a draft model's KV, ...)."""
 
+    def extra_stats(self) -> dict[str, float]:
+        """A decoder's own counters for :meth:`stats` (``auto``'s choices, ...), names prefixed."""
+        return {}
+
     def model_bytes(self) -> int:
         """Bytes of the models this decoder loaded beside the target (a draft's weights and KV
         pool); 0: none."""
@@ -230,6 +276,8 @@ class SharedStepDecoder:
         for name, proposer in sorted(self._proposers.items()):
             if proposer.model_bytes():
                 out[f"{name}_model_bytes"] = proposer.model_bytes()
+        for proposer in {id(p): p for p in self._proposers.values()}.values():
+            out.update(proposer.extra_stats())
         for name, c in sorted(self._counters.items()):
             for key, value in c.items():
                 out[f"{name}_{key}"] = value

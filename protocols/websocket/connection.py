@@ -183,7 +183,8 @@ class Connection:
         self.out.put(Done(id=rid, finish_reason=reason, usage=f.usage,
                           metrics=MetricsOut(ttft_ms=m.ttft_ms, tpot_ms=m.tpot_ms, e2e_ms=m.e2e_ms,
                                              num_draft_tokens=m.num_draft_tokens,
-                                             num_accepted_tokens=m.num_accepted_tokens),
+                                             num_accepted_tokens=m.num_accepted_tokens,
+                                             drafted_by=m.drafted_by),
                           error=f.error))
 
     def _cancel(self, rid: str) -> None:

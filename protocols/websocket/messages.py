@@ -95,6 +95,7 @@ class MetricsOut(msgspec.Struct, frozen=True, kw_only=True):
     e2e_ms: float
     num_draft_tokens: int = 0  # speculative decoding: draft tokens verified, and accepted
     num_accepted_tokens: int = 0
+    drafted_by: dict[str, int] = msgspec.field(default_factory=dict)  # draft tokens per decoder (auto's choices)
 
 
 class Done(msgspec.Struct, tag="done", frozen=True, kw_only=True):
