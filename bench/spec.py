@@ -91,7 +91,8 @@ def row_costs(engine, rows: tuple[int, ...] = (0, 4, 8, 16), reps: int = 7, cont
     from tokenloom.core.sequence import Batch, Sequence
 
     cache = engine.cache
-    seq = Sequence("row-cost", [(i * 37) % 1000 + 200 for i in range(context)], SamplingParams(max_tokens=1))
+    vocab = engine.runner.model.cfg.vocab_size
+    seq = Sequence("row-cost", [(i * 37) % (vocab - 1) + 1 for i in range(context)], SamplingParams(max_tokens=1))
     if not cache.allocate(seq, context, num_lookahead=max(rows)):
         return {}
     table = cache.block_table(seq)

@@ -157,3 +157,41 @@ def test_auto_chooses_ngram_where_text_repeats_and_says_so(kit_model, tmp_path, 
         assert "eagle" in set().union(*(o.metrics.drafted_by for o in got))
         assert llm.engine.stats()["decoder_auto_chose_eagle"] > 0
         assert llm.engine.cache.stats().num_used_blocks == 0
+
+
+def test_the_draft_cache_holds_the_true_pairs_after_decoding(kit_model, tmp_path, monkeypatch):
+    """After decoding with trees (features from prompt rows, decode rows and accepted tree
+    nodes), the draft's committed KV equals one pass of the draft over the sequence's true
+    pairs (f_p, x_{p+1}) from a single prefill: features and tokens line up."""
+    from tokenloom import LLM
+    from tokenloom.core.sequence import Sequence
+    from tokenloom.plugins.decoders.medusa import normalise
+
+    draft = random_draft(kit_model, tmp_path / "draft.safetensors")
+    with LLM(flags=_kit_flags(kit_model, decoder={"name": "eagle", "draft": str(draft)})) as llm:
+        eagle, engine = llm.engine.decoder, llm.engine
+        kept = {}
+        release = eagle.release_state
+
+        def grab(seq):
+            st = eagle._states.get(seq.seq_id)
+            if st is not None:
+                kept["st"], kept["tokens"] = st, list(seq.token_ids)
+            release(seq)
+
+        monkeypatch.setattr(eagle, "release_state", grab)
+        out = llm.generate([[1, 2, 3, 4, 5, 1, 2, 3]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+        assert out.metrics.num_accepted_tokens > 0  # trees were verified and partly kept
+        st, tokens = kept["st"], kept["tokens"]
+        n = st.committed
+        assert st.base == 0 and n >= len(tokens) - 8
+        seq = Sequence("ref", tokens, SamplingParams(max_tokens=1))
+        assert engine.cache.allocate(seq, len(tokens))
+        try:
+            h = engine.call_in_step_thread(engine.executor.prefill_hidden, tokens, engine.cache.block_table(seq))
+        finally:
+            engine.cache.free(seq)
+        f = normalise(engine.runner.model, h).to(eagle.dtype)
+        empty = st.k[:0]
+        _, k_ref, v_ref = eagle.draft.step(f[:n], eagle._emb(tokens[1:n + 1]), torch.arange(n), empty, empty, None)
+        assert torch.allclose(st.k[:n], k_ref, atol=1e-4) and torch.allclose(st.v[:n], v_ref, atol=1e-4)

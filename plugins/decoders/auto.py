@@ -1,13 +1,23 @@
 """`auto`: per request and per step, the speculative decoder that pays.
 
 - **n-gram** (prompt lookup) when the text being written copies what came before: a lookup
-  hit, and the n-gram drafts of this request kept on average at least
-  ``ngram_min_accepted`` tokens per step (a measured match rate; every request starts
-  optimistic and a request whose lookups stop paying drifts back to trying them slowly);
-- **EAGLE** otherwise, when a draft for the model is found (plugins/decoders/eagle.py);
-- **plain decoding** when neither is available, or when drafting stops paying for the
-  request (the shared step's per-sequence pause) or the batch is large (``max_batch``: a
-  big batch is compute-bound and extra rows cost more than they save).
+  hit, and the n-gram drafts of this request kept on average more tokens per step than an
+  n-gram step costs over a plain one (``ms/step(ngram) / ms/step(none) - 1``, measured here;
+  at least ``ngram_min_accepted``): a measured match rate against a measured price. Every
+  request starts optimistic, and one whose lookups stop paying drifts back to trying them;
+- **EAGLE** otherwise, when a draft for the model is found (plugins/decoders/eagle.py) *and*
+  it is measured to pay: the time per emitted token of EAGLE steps (the step's wall time over
+  the tokens it emitted) against plain steps', both measured here as they run;
+- **plain decoding** when neither pays or is available, when drafting stops paying for the
+  request (the shared step's per-sequence pause) or when the batch is large (``max_batch``:
+  a big batch is compute-bound and extra rows cost more than they save).
+
+The timing: the wall time from one proposal's start to the next while the same sequences
+run (the drafting, then the step that verifies it), counted for the mode those drafts came
+from (``none`` for a step without drafts), an exponential average per mode of
+milliseconds per emitted token. A mode with fewer than ``probe_steps`` timed steps is tried
+first; a mode that lost is tried again for ``probe_steps`` steps every ``reprobe_steps``, so
+the choice follows the machine, the dtype and the text.
 
 Verification is the shared exact core, so every choice gives the target's distribution.
 Each request's final message says which decoders drafted for it
@@ -17,6 +27,7 @@ Each request's final message says which decoders drafted for it
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -26,7 +37,7 @@ import structlog
 from tokenloom.core.errors import ConfigError
 from tokenloom.core.hookspecs import hookimpl
 from tokenloom.core.interfaces import DecoderContext, DecoderOutput, SequenceOutput
-from tokenloom.core.runner import ForwardOutput
+from tokenloom.core.runner import ForwardOutput, HiddenRows
 from tokenloom.core.sequence import Batch, Sequence
 from tokenloom.plugins.decoders.base import SharedStepDecoder
 from tokenloom.plugins.decoders.ngram import NgramDecoder, NgramOptions, lookup
@@ -39,10 +50,32 @@ RECOVER = 0.05  # per step without n-gram drafts, how far the average drifts bac
 
 
 class AutoOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    ngram_min_accepted: float = 1.0  # n-gram drafts kept per step (average) for n-gram to go on
+    ngram_min_accepted: float = 0.1  # the least n-gram drafts kept per step (average) for n-gram to go on
     ngram_k: int = 3  # n-gram drafts per step
-    eagle: bool = True  # use an EAGLE draft when one is found for the model
+    eagle: bool = True  # use an EAGLE draft when one is found for the model (and it pays)
+    probe_steps: int = 4  # timed steps a mode needs before it is judged
+    reprobe_steps: int = 512  # steps after which a mode that lost is tried again
     max_batch: int = 4
+
+
+class _Timing:
+    """One mode's steps: exponential averages of milliseconds and tokens per step, and a count."""
+
+    __slots__ = ("ms_per_step", "tokens_per_step", "steps")
+
+    def __init__(self) -> None:
+        self.ms_per_step = self.tokens_per_step = 0.0
+        self.steps = 0
+
+    def add(self, ms: float, tokens: float) -> None:
+        self.steps += 1
+        w = 1.0 if self.steps == 1 else 0.1
+        self.ms_per_step += w * (ms - self.ms_per_step)
+        self.tokens_per_step += w * (tokens - self.tokens_per_step)
+
+    @property
+    def ms_per_token(self) -> float:
+        return self.ms_per_step / max(self.tokens_per_step, 1e-9)
 
 
 @dataclass(slots=True)
@@ -69,17 +102,62 @@ class AutoDecoder(SharedStepDecoder):
             except Exception as exc:  # noqa: BLE001 - no draft for this model: auto goes on without EAGLE
                 self.eagle_unavailable = f"{type(exc).__name__}: {exc}"
                 log.info("auto_without_eagle", reason=self.eagle_unavailable)
-        self.needs_hidden = "all" if self.eagle is not None else False
+        self._eagle_on = self.eagle is not None  # drafting with EAGLE now (or measuring it)
         self.default_k, self.max_batch = o.ngram_k, o.max_batch
         self._choices: dict[int, _Choice] = {}
         self._chosen = {"ngram": 0, "eagle": 0, "none": 0}
+        self._timing = {"eagle": _Timing(), "ngram": _Timing(), "none": _Timing()}
+        self._last: tuple[float, frozenset[int]] | None = None  # (when the last proposal ended, its sequences)
+        self._since_probe = 0
+
+    def _time_step(self, seqs: list[Sequence], outputs: DecoderOutput, now: float) -> None:
+        """Charge the time since the last proposal began (that drafting, the step that verified
+        it) to the mode those drafts came from, when the same sequences ran (no gap between
+        requests, no other sequence's prefill)."""
+        last, self._last = self._last, None
+        if last is None or last[1] != frozenset(s.seq_id for s in seqs) or len(outputs) != len(seqs):
+            return
+        modes = {outputs[s].drafted_by or "none" for s in seqs}
+        if len(modes) == 1 and (mode := modes.pop()) in self._timing:
+            self._timing[mode].add(1e3 * (now - last[0]), sum(len(outputs[s].token_ids) for s in seqs) / len(seqs))
+
+    def _ngram_threshold(self) -> float:
+        """Drafts an n-gram step must keep to pay: what it costs over a plain step, measured."""
+        ng, plain = self._timing["ngram"], self._timing["none"]
+        if ng.steps < self.opts.probe_steps or plain.steps < self.opts.probe_steps:
+            return self.opts.ngram_min_accepted
+        return max(self.opts.ngram_min_accepted, ng.ms_per_step / plain.ms_per_step - 1.0)
+
+    def _eagle_pays(self) -> bool:
+        """Is EAGLE worth trying this step? Yes while either mode is still being measured, while
+        EAGLE is measured faster per token, and for a few steps every ``reprobe_steps``."""
+        e, plain = self._timing["eagle"], self._timing["none"]
+        o = self.opts
+        if e.steps < o.probe_steps or plain.steps < o.probe_steps:
+            return e.steps <= plain.steps  # measure both, alternating
+        if e.ms_per_token < plain.ms_per_token:
+            return True
+        self._since_probe += 1
+        if self._since_probe >= o.reprobe_steps:  # try again: the text or the load may have changed
+            self._since_probe = 0
+            e.steps = plain.steps = min(e.steps, o.probe_steps // 2)
+        return False
+
+    @property  # type: ignore[override]
+    def needs_hidden(self) -> HiddenRows:
+        """Every row's hidden states while EAGLE drafts or is measured; none while it is
+        measured not to pay (its draft starts over from where it comes back)."""
+        return "all" if self._eagle_on else False
 
     def observe(self, batch: Batch, forward: ForwardOutput, result: DecoderOutput, seqs: list[Sequence]) -> None:
         if self.eagle is not None:
             self.eagle.observe(batch, forward, result, seqs)
 
     def propose(self, seqs: list[Sequence], outputs: DecoderOutput, forward: ForwardOutput) -> None:
+        began = time.perf_counter()
+        self._time_step(seqs, outputs, began)
         to_eagle = []
+        eagle_pays = self._eagle_on = self.eagle is not None and self._eagle_pays()
         for seq in seqs:
             out = outputs[seq]
             c = self._choices.setdefault(seq.seq_id, _Choice())
@@ -90,13 +168,13 @@ class AutoDecoder(SharedStepDecoder):
             seq.draft_token_ids, seq.draft_parents, seq.drafted_by = [], None, None
             k = self.num_speculative_tokens(seq)
             drafts: list[int] = []
-            if k and c.ngram >= self.opts.ngram_min_accepted:
+            if k and c.ngram >= self._ngram_threshold():
                 tokens = np.asarray(seq.token_ids + out.token_ids, dtype=np.int64)
                 drafts = lookup(tokens, k, self.ngram.n_max, self.ngram.n_min)
             if drafts:
                 seq.draft_token_ids, seq.drafted_by = drafts, "ngram"
                 self._chosen["ngram"] += 1
-            elif self.eagle is not None:
+            elif eagle_pays:
                 to_eagle.append(seq)
             else:
                 self._chosen["none"] += 1
@@ -105,6 +183,7 @@ class AutoDecoder(SharedStepDecoder):
             for seq in to_eagle:
                 seq.drafted_by = "eagle" if seq.draft_token_ids else None
                 self._chosen["eagle" if seq.draft_token_ids else "none"] += 1
+        self._last = (began, frozenset(s.seq_id for s in seqs))
 
     def discard(self, seq: Sequence, output: SequenceOutput) -> None:
         seq.drafted_by = None
@@ -118,7 +197,12 @@ class AutoDecoder(SharedStepDecoder):
         return self.eagle.model_bytes() if self.eagle is not None else 0
 
     def extra_stats(self) -> dict[str, float]:
-        return {f"auto_chose_{name}": n for name, n in self._chosen.items()}
+        out: dict[str, float] = {f"auto_chose_{name}": n for name, n in self._chosen.items()}
+        for mode, t in self._timing.items():
+            if t.steps:
+                out[f"auto_{mode}_ms_per_token"] = round(t.ms_per_token, 3)
+                out[f"auto_{mode}_ms_per_step"] = round(t.ms_per_step, 3)
+        return out
 
 
 @hookimpl

@@ -120,6 +120,8 @@ class EagleDraft(torch.nn.Module):
         self.register_buffer("inv_freq", inv, persistent=False)
         self.vocab: torch.Tensor | None = None  # the draft vocabulary (token ids), most frequent first
         self.meta: dict = {}  # metadata: model, fingerprint, the training report
+        self._qkv: torch.Tensor | None = None  # fused copies for inference (fuse)
+        self._gate_up: torch.Tensor | None = None
 
     # ---- pieces ---------------------------------------------------------------------
     def rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -129,38 +131,49 @@ class EagleDraft(torch.nn.Module):
         a, b = x.chunk(2, dim=-1)
         return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
+    def fuse(self) -> EagleDraft:
+        """For inference: q/k/v and gate/up as one matmul each (fewer small ops per depth)."""
+        with torch.no_grad():
+            self._qkv = torch.cat([self.q.weight, self.k.weight, self.v.weight])
+            self._gate_up = torch.cat([self.gate.weight, self.up.weight])
+        return self
+
     def project(self, f: torch.Tensor, e: torch.Tensor, pos: torch.Tensor):
         """Rows ``[f; e]`` at ``pos``: the residual stream, q, and this row's k and v."""
         s = self.shape
         h = self.fc(torch.cat([f, e], dim=-1))
         x = _rms(h, self.attn_norm, s.eps)
         T = h.shape[0]
-        q = self.rope(self.q(x).view(T, s.num_heads, s.head_dim), pos)
-        k = self.rope(self.k(x).view(T, s.num_kv_heads, s.head_dim), pos)
-        v = self.v(x).view(T, s.num_kv_heads, s.head_dim)
-        return h, q, k, v
+        nq, nkv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        if self._qkv is not None:
+            q_, k_, v_ = F.linear(x, self._qkv).split([nq, nkv, nkv], dim=-1)
+        else:
+            q_, k_, v_ = self.q(x), self.k(x), self.v(x)
+        q = self.rope(q_.reshape(T, s.num_heads, s.head_dim), pos)
+        k = self.rope(k_.reshape(T, s.num_kv_heads, s.head_dim), pos)
+        return h, q, k, v_.reshape(T, s.num_kv_heads, s.head_dim)
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """After attention ``attn [T, heads * hd]``: the output projection, the MLP, the last norm."""
         s = self.shape
         h = h + self.o(attn)
         x = _rms(h, self.mlp_norm, s.eps)
-        h = h + self.down(F.silu(self.gate(x)) * self.up(x))
+        if self._gate_up is not None:
+            gate, up = F.linear(x, self._gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate(x), self.up(x)
+        h = h + self.down(F.silu(gate) * up)
         return _rms(h, self.out_norm, s.eps)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """``q [T, H, hd]`` over ``k, v [S, KV, hd]`` with ``mask [T, S]`` (True: attend; None:
         causal with the T queries as the last T keys) -> ``[T, H * hd]``."""
-        s = self.shape
-        rep = s.num_heads // s.num_kv_heads
-        kk = k.repeat_interleave(rep, dim=1).transpose(0, 1)  # [H, S, hd]
-        vv = v.repeat_interleave(rep, dim=1).transpose(0, 1)
-        qq = q.transpose(0, 1)  # [H, T, hd]
+        T, S = q.shape[0], k.shape[0]
         if mask is None:
-            T, S = q.shape[0], k.shape[0]
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
-        out = F.scaled_dot_product_attention(qq[None], kk[None], vv[None], attn_mask=mask[None, None])[0]
-        return out.transpose(0, 1).reshape(q.shape[0], -1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                             attn_mask=mask[None, None], enable_gqa=True)[0]
+        return out.transpose(0, 1).reshape(T, -1)
 
     # ---- inference --------------------------------------------------------------------
     def step(self, f: torch.Tensor, e: torch.Tensor, pos: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
@@ -330,7 +343,7 @@ class EagleDecoder(SharedStepDecoder):
         self.path = path
         # bf16 where the hardware has it: drafts need no more, exactness comes from verification
         self.dtype = pick_dtype("auto", self.runner.device)
-        self.draft = draft.to(self.runner.device, self.dtype)
+        self.draft = draft.to(self.runner.device, self.dtype).fuse()
         self.default_k, self.max_batch = o.depth, o.max_batch
         vocab = draft.vocab if o.draft_vocab != 0 else None
         if vocab is not None and o.draft_vocab:

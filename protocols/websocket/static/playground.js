@@ -175,6 +175,9 @@ function figures(done, cur) {
   if (m.num_draft_tokens > 0) {
     const rate = (100 * m.num_accepted_tokens / m.num_draft_tokens).toFixed(0);
     items.push(["accepted", `${m.num_accepted_tokens}/${m.num_draft_tokens} (${rate}%)`, "acceptance"]);
+    // which decoders drafted (auto chooses per step): "eagle 40, ngram 12"
+    const by = Object.entries(m.drafted_by || {}).map(([k, v]) => `${k} ${v}`).join(", ");
+    if (by) items.push(["drafted by", by, "drafted-by"]);
   }
   const box = el("div", "figures");
   for (const [label, value, cls] of items) {
