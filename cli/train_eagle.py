@@ -36,7 +36,7 @@ def cmd_train_eagle(args) -> int:
     from tokenloom import LLM
     from tokenloom.cli.args import flags_layer, progress_bar
     from tokenloom.cli.train_medusa import (
-        _checkpoint_weights,
+        checkpoint_weights,
         read_conversations,
         write_conversations,
     )
@@ -77,7 +77,7 @@ def cmd_train_eagle(args) -> int:
         shape = DraftShape.of(model.cfg)
         fingerprint = model_fingerprint(model)
         final_norm = model.norm.detach().float().clone()
-        head, embedding = _checkpoint_weights(engine)
+        head, embedding = checkpoint_weights(engine)
         name = engine.model_name
         compute_dtype = torch.bfloat16 if model.dtype == torch.bfloat16 else torch.float32
     finally:

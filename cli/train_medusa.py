@@ -75,7 +75,7 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
                 write_conversations(args.data, ids, prompt_lens)
         feats = collect_features(llm, ids, prompt_lens, args.num_heads, progress=progress_bar("hidden states"))
         model = engine.runner.model
-        head, embedding = _checkpoint_weights(engine)
+        head, embedding = checkpoint_weights(engine)
         name = engine.model_name
         compute_dtype = model.dtype if model.dtype in (torch.float32, torch.bfloat16) else torch.float32
     finally:
@@ -102,7 +102,7 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
     return 0
 
 
-def _checkpoint_weights(engine):
+def checkpoint_weights(engine):
     """The output head's and the input embedding's weights, dense float32, from the
     checkpoint (tied: the same tensor)."""
     import torch

@@ -156,6 +156,12 @@ def test_auto_chooses_ngram_where_text_repeats_and_says_so(kit_model, tmp_path, 
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
         assert "eagle" in set().union(*(o.metrics.drafted_by for o in got))
         assert llm.engine.stats()["decoder_auto_chose_eagle"] > 0
+        # a seeded request's choices depend on it alone, not on timings other requests left
+        seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=32, ignore_eos=True)
+        first = llm.generate([prompts[0]], seeded)[0]
+        llm.generate(prompts * 3, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        assert llm.generate([prompts[0]], seeded)[0].token_ids == first.token_ids
+        assert "eagle" not in first.metrics.drafted_by
         assert llm.engine.cache.stats().num_used_blocks == 0
 
 

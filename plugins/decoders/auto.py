@@ -19,6 +19,11 @@ milliseconds per emitted token. A mode with fewer than ``probe_steps`` timed ste
 first; a mode that lost is tried again for ``probe_steps`` steps every ``reprobe_steps``, so
 the choice follows the machine, the dtype and the text.
 
+A **seeded** request's choice depends on the request alone, never on timings taken from
+other requests (drafting changes which random draws it makes, so its tokens would otherwise
+depend on what ran before it): n-gram when its own match rate reaches
+``ngram_min_accepted``, plain decoding otherwise, never EAGLE.
+
 Verification is the shared exact core, so every choice gives the target's distribution.
 Each request's final message says which decoders drafted for it
 (``metrics.drafted_by``: draft tokens per decoder).
@@ -168,13 +173,15 @@ class AutoDecoder(SharedStepDecoder):
             seq.draft_token_ids, seq.draft_parents, seq.drafted_by = [], None, None
             k = self.num_speculative_tokens(seq)
             drafts: list[int] = []
-            if k and c.ngram >= self._ngram_threshold():
+            seeded = seq.params.seed is not None
+            threshold = self.opts.ngram_min_accepted if seeded else self._ngram_threshold()
+            if k and c.ngram >= threshold:
                 tokens = np.asarray(seq.token_ids + out.token_ids, dtype=np.int64)
                 drafts = lookup(tokens, k, self.ngram.n_max, self.ngram.n_min)
             if drafts:
                 seq.draft_token_ids, seq.drafted_by = drafts, "ngram"
                 self._chosen["ngram"] += 1
-            elif eagle_pays:
+            elif eagle_pays and not seeded:
                 to_eagle.append(seq)
             else:
                 self._chosen["none"] += 1
