@@ -35,8 +35,10 @@ async def test_first_speculative_request_does_not_stall_a_running_stream():
         draft_bytes = start["decoder_speculative_model_bytes"]
         assert draft_bytes > 50 << 20, start  # the embedded model again, as its own draft
         async with Client(url) as client:
+            # standard: one token per delta (serve's default, auto, drafts several on counting)
             long = client.generate("Count from one to five hundred.",
-                                   params={"temperature": 0, "max_tokens": 160, "ignore_eos": True})
+                                   params={"temperature": 0, "max_tokens": 160, "ignore_eos": True,
+                                           "decoder": "standard"})
             arrivals: list[float] = []
             async def follow():
                 async for ev in long:
