@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 
 
 def add_train_eagle_parser(sub) -> None:
@@ -35,15 +34,9 @@ def cmd_train_eagle(args) -> int:
 
     from tokenloom import LLM
     from tokenloom.cli.args import flags_layer, progress_bar
-    from tokenloom.cli.train_medusa import (
-        checkpoint_weights,
-        read_conversations,
-        write_conversations,
-    )
-    from tokenloom.core.sampling_params import SamplingParams
+    from tokenloom.cli.train_medusa import answered_conversations, checkpoint_weights
     from tokenloom.plugins.decoders.eagle import DraftShape, default_draft_path, model_fingerprint
     from tokenloom.plugins.decoders.eagle_train import collect, train_draft
-    from tokenloom.plugins.decoders.medusa_train import distillation_prompts
 
     if not 0.0 <= args.grounded_share <= 1.0:
         print("error: --grounded-share must be in [0, 1]", file=sys.stderr)
@@ -58,20 +51,7 @@ def cmd_train_eagle(args) -> int:
     llm = LLM(config_file=args.config, flags=flags_layer(args), progress=progress_bar("loading model"))
     try:
         engine = llm.engine
-        if args.data and Path(args.data).exists():
-            ids, prompt_lens = read_conversations(args.data)
-            print(f"read {len(ids)} answered conversations from {args.data}", file=sys.stderr)
-        else:
-            conversations = distillation_prompts(args.prompts, llm, grounded_share=args.grounded_share)
-            print(f"{len(conversations)} prompts ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-            outs = llm.generate(messages=conversations, params=SamplingParams(temperature=0, max_tokens=args.max_tokens))
-            prompt_ids = [engine.prompt_ids(messages=m) for m in conversations]
-            ids = [p + o.token_ids for p, o in zip(prompt_ids, outs, strict=True)]
-            prompt_lens = [len(p) for p in prompt_ids]
-            print(f"generated {sum(len(o.token_ids) for o in outs)} tokens for {len(outs)} conversations "
-                  f"in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-            if args.data:
-                write_conversations(args.data, ids, prompt_lens)
+        ids, prompt_lens = answered_conversations(llm, args, t0)
         convs = collect(llm, ids, prompt_lens, progress=progress_bar("features"))
         model = engine.runner.model
         shape = DraftShape.of(model.cfg)

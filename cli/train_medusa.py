@@ -40,11 +40,9 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
 
     from tokenloom import LLM
     from tokenloom.cli.args import flags_layer, progress_bar
-    from tokenloom.core.sampling_params import SamplingParams
     from tokenloom.plugins.decoders.medusa import best_tree, default_heads_path, expected_accepted
     from tokenloom.plugins.decoders.medusa_train import (
         collect_features,
-        distillation_prompts,
         train_heads,
     )
 
@@ -58,21 +56,7 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
     llm = LLM(config_file=args.config, flags=flags_layer(args), progress=progress_bar("loading model"))
     try:
         engine = llm.engine
-        if args.data and Path(args.data).exists():
-            ids, prompt_lens = read_conversations(args.data)
-            print(f"read {len(ids)} answered conversations from {args.data}", file=sys.stderr)
-        else:
-            conversations = distillation_prompts(args.prompts, llm, grounded_share=args.grounded_share)
-            print(f"{len(conversations)} prompts ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-            outs = llm.generate(messages=conversations,
-                                params=SamplingParams(temperature=0, max_tokens=args.max_tokens))
-            prompt_ids = [engine.prompt_ids(messages=m) for m in conversations]
-            ids = [p + o.token_ids for p, o in zip(prompt_ids, outs, strict=True)]
-            prompt_lens = [len(p) for p in prompt_ids]
-            print(f"generated {sum(len(o.token_ids) for o in outs)} tokens for {len(outs)} conversations "
-                  f"in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-            if args.data:
-                write_conversations(args.data, ids, prompt_lens)
+        ids, prompt_lens = answered_conversations(llm, args, t0)
         feats = collect_features(llm, ids, prompt_lens, args.num_heads, progress=progress_bar("hidden states"))
         model = engine.runner.model
         head, embedding = checkpoint_weights(engine)
@@ -100,6 +84,30 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
     print(f"wrote {out} ({args.num_heads} heads for {name}, hidden size {model.cfg.hidden_size}); use them with "
           f"--decoder medusa or params decoder=\"medusa\"", file=sys.stderr)
     return 0
+
+
+def answered_conversations(llm, args, t0: float) -> tuple[list[list[int]], list[int]]:
+    """The training conversations (token ids, where each answer starts): read from
+    ``args.data`` when it exists, else written by the model (self-written and passage prompts,
+    answered greedily) and saved there when named. Shared by train-medusa and train-eagle."""
+    from tokenloom.core.sampling_params import SamplingParams
+    from tokenloom.plugins.decoders.medusa_train import distillation_prompts
+
+    if args.data and Path(args.data).exists():
+        ids, prompt_lens = read_conversations(args.data)
+        print(f"read {len(ids)} answered conversations from {args.data}", file=sys.stderr)
+        return ids, prompt_lens
+    conversations = distillation_prompts(args.prompts, llm, grounded_share=args.grounded_share)
+    print(f"{len(conversations)} prompts ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    outs = llm.generate(messages=conversations, params=SamplingParams(temperature=0, max_tokens=args.max_tokens))
+    prompt_ids = [llm.engine.prompt_ids(messages=m) for m in conversations]
+    ids = [p + o.token_ids for p, o in zip(prompt_ids, outs, strict=True)]
+    prompt_lens = [len(p) for p in prompt_ids]
+    print(f"generated {sum(len(o.token_ids) for o in outs)} tokens for {len(outs)} conversations "
+          f"in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    if args.data:
+        write_conversations(args.data, ids, prompt_lens)
+    return ids, prompt_lens
 
 
 def checkpoint_weights(engine):
