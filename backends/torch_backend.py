@@ -13,13 +13,17 @@ plus one bfloat16 scale per token per head, ``scale = amax(|x|) / qmax`` over he
 A per-token scale needs no calibration, is never re-quantised as a block fills, and copies
 with its slot. Every read dequantises (``data * scale`` in the compute dtype), including
 a prefill with nothing cached, which reads its own just-written slots back, so a prompt
-sees the same K/V whether it is computed at once, in chunks or from cached blocks.
+sees the same K/V whether it is computed at once, in chunks or from cached blocks. Decode
+rows read 8-bit pools in place through the C++ ops (and the captured step), which quantise
+the new token's K/V with the same arithmetic (the same bytes and scales) and dequantise each
+row as ``data * scale`` rounded to the model dtype, as the torch path does: half the bytes
+of a bfloat16 pool per token read.
 
 Sliding windows and soft-caps (``attention(..., window=, softcap=)``; Mistral, Phi-3, Qwen2 and
 Gemma's sliding layers, Gemma 2's soft-cap): a query at position p sees keys at positions
 j > p - window only; scores (after the scale) become ``softcap * tanh(score / softcap)``
 before the softmax. Every path has them: decode rows in the C++ op (it skips the keys before
-``context_len - window``) or, on the torch path and for 8-bit pools, through a windowed -inf
+``context_len - window``) or, on the torch path, through a windowed -inf
 bias; a prefill span through SDPA with an explicit causal-and-window mask (positions, not
 slots: a draft tree's node sits at its depth), or, with a soft-cap, which SDPA has not, its
 scores computed in float32 a few query rows at a time; the batch-invariant mode in the C++
@@ -429,33 +433,31 @@ class TorchBackend:
     def decode_attention_block(self, qkv, cos, sin, k_cache, v_cache, meta: TorchAttnMeta, num_heads: int,
                                scale: float):
         """A pure decode step with the fused op: RoPE, the KV write and attention in one C++
-        call per layer (kernels/cpu_ops.py). None where it does not apply (a
-        prefill in the step, 8-bit KV, no fused op): the model then calls the ops one by one."""
+        call per layer (kernels/cpu_ops.py), on plain or 8-bit pools. None where it does not
+        apply (a prefill in the step, no fused op): the model then calls the ops one by one."""
         if (self.fused_decode is None or meta.decode_tables is None or meta.prefills or meta.slots is not None
-                or isinstance(k_cache, QuantizedKV) or qkv.dtype != k_cache.dtype
-                or meta.decode_rows.numel() != qkv.shape[0]):
+                or qkv.dtype != k_cache.dtype or meta.decode_rows.numel() != qkv.shape[0]):
             return None
-        return self.fused_decode.decode_layer_attention(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
-                                                        meta.decode_tables, meta.decode_lens, num_heads, scale)
+        k, v, k_scale, v_scale = _pools(k_cache, v_cache)
+        return self.fused_decode.decode_layer_attention(qkv, cos, sin, k, v, meta.slot_mapping, meta.decode_tables,
+                                                        meta.decode_lens, num_heads, scale, k_scale, v_scale)
 
     def _decode_windowed(self, q, k_cache, v_cache, meta: TorchAttnMeta, scale: float, window: int | None,
                          softcap: float | None):
         """Decode rows of a sliding-window / soft-capped layer: the C++ op where the plain
         rows take it, else the torch path with the window's bias."""
         if meta.decode_tables is not None:
-            if not isinstance(k_cache, QuantizedKV):
-                return self.fused_decode.paged_decode_attention(q, k_cache, v_cache, meta.decode_tables,
-                                                                meta.decode_lens, scale, window or 0, softcap or 0.0)
-            meta = _padded_decode(meta, k_cache.shape[2])
+            k, v, k_scale, v_scale = _pools(k_cache, v_cache)
+            return self.fused_decode.paged_decode_attention(q, k, v, meta.decode_tables, meta.decode_lens, scale,
+                                                            window or 0, softcap or 0.0, k_scale, v_scale)
         bias = meta.decode_bias if window is None else _window_bias(meta, window)
         return self._decode(q, k_cache, v_cache, meta, scale, bias, softcap)
 
     def _decode_any(self, q, k_cache, v_cache, meta: TorchAttnMeta, scale: float):
         if meta.decode_tables is not None:
-            if not isinstance(k_cache, QuantizedKV):
-                return self.fused_decode.paged_decode_attention(q, k_cache, v_cache, meta.decode_tables,
-                                                                meta.decode_lens, scale)
-            meta = _padded_decode(meta, k_cache.shape[2])  # 8-bit KV: the torch path dequantises
+            k, v, k_scale, v_scale = _pools(k_cache, v_cache)
+            return self.fused_decode.paged_decode_attention(q, k, v, meta.decode_tables, meta.decode_lens, scale,
+                                                            0, 0.0, k_scale, v_scale)
         return self._decode(q, k_cache, v_cache, meta, scale)
 
     @staticmethod
@@ -555,7 +557,7 @@ class TorchBackend:
 
 class CppDecodeStep:
     """The captured decode step (``TorchBackend.capture_decode``): runs a pure decode step on
-    plain KV pools of the model dtype, and returns None for any other step."""
+    KV pools of the model dtype, plain or 8-bit, and returns None for any other step."""
 
     def __init__(self, step, dtype: torch.dtype, low_rank: bool = False):
         self.step, self.dtype = step, dtype
@@ -567,13 +569,23 @@ class CppDecodeStep:
         if meta.prefills or meta.decode_tables is None or meta.decode_rows.numel() != input_ids.numel():
             return None
         if kv_caches is not self._bound:
-            k0 = kv_caches[0][0]
-            if isinstance(k0, QuantizedKV) or k0.dtype != self.dtype:
+            if kv_caches[0][0].dtype != self.dtype:
                 return None
-            self.step.bind([k for k, _ in kv_caches], [v for _, v in kv_caches])
+            pools = [_pools(k, v) for k, v in kv_caches]
+            quantized = isinstance(kv_caches[0][0], QuantizedKV)
+            self.step.bind([p[0] for p in pools], [p[1] for p in pools],
+                           [p[2] for p in pools] if quantized else [], [p[3] for p in pools] if quantized else [])
             self._bound = kv_caches
         self.steps += 1
         return self.step.run(input_ids, positions, meta.slot_mapping, meta.decode_tables, meta.decode_lens)
+
+
+def _pools(k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A layer's K and V pools as the C++ ops take them: (k, v, None, None) for plain pools,
+    (k data, v data, k scales, v scales) for 8-bit ones."""
+    if isinstance(k_cache, QuantizedKV):
+        return k_cache.data, v_cache.data, k_cache.scale, v_cache.scale
+    return k_cache, v_cache, None, None
 
 
 def _sdpa(q, k, v, **kwargs) -> torch.Tensor:

@@ -39,7 +39,10 @@ def _run(model_dir, capture: bool, **kw):
     {"dtype": "bfloat16", "quantizer": "rtn", "backend": {"name": "torch", "quant_max_rows": 2}},
     {"dtype": "float32", "quantizer": "int8", "backend": {"name": "torch", "quant_max_rows": 2}},
     {"dtype": "float32", "quantizer": "rtn", "backend": {"name": "torch", "quant_max_rows": 0}},
-], ids=["dense-bf16", "onednn-fp32", "mkl+onednn-fp32", "int4+dense-bf16", "int8+onednn-fp32", "int4-fp32"])
+    {"dtype": "bfloat16", "kv_cache_dtype": "int8"},
+    {"dtype": "float32", "kv_cache_dtype": "fp8"},
+], ids=["dense-bf16", "onednn-fp32", "mkl+onednn-fp32", "int4+dense-bf16", "int8+onednn-fp32", "int4-fp32",
+        "int8-kv-bf16", "fp8-kv-fp32"])
 def test_captured_step_gives_the_op_by_op_outputs(tiny_model_dir, kw):
     tokens, logprobs, steps = _run(tiny_model_dir, True, **kw)
     eager_tokens, eager_logprobs, eager_steps = _run(tiny_model_dir, False, **kw)
@@ -47,13 +50,6 @@ def test_captured_step_gives_the_op_by_op_outputs(tiny_model_dir, kw):
     assert eager_steps is None  # ... and with capture off nothing was captured
     assert tokens == eager_tokens
     assert torch.equal(logprobs, eager_logprobs)  # bit for bit: the same ops in the same order
-
-
-def test_steps_the_captured_step_does_not_cover_run_op_by_op(tiny_model_dir):
-    """An 8-bit KV pool: the step hands every decode back to the model's Python."""
-    tokens, logprobs, steps = _run(tiny_model_dir, True, kv_cache_dtype="int8")
-    assert steps == 0
-    assert tokens == _run(tiny_model_dir, False, kv_cache_dtype="int8")[0]
 
 
 def test_the_triton_backend_and_tensor_parallel_ranks_capture_nothing(tiny_model_dir):

@@ -102,6 +102,94 @@ def test_decode_layer_attention_matches_rope_write_and_attend(ops, dtype, tol, h
     assert (got.float() - want.float()).abs().max().item() < tol
 
 
+def _eight_bit_pools(storage: str, dtype, kv_heads, num_blocks, block_size, head_dim):
+    """Two 8-bit pools (K, V) as the backend allocates them, filled through QuantizedKV.write."""
+    backend = TorchBackend(TorchBackendOptions(decode_attention="torch"))
+    (k, v), = backend.allocate_kv_cache(1, num_blocks, block_size, kv_heads, head_dim, dtype, storage)
+    slots = torch.arange(num_blocks * block_size)
+    for pool in (k, v):
+        pool.write((torch.randn(len(slots), kv_heads, head_dim) * 3).to(dtype), slots)
+    return k, v
+
+
+@pytest.mark.parametrize("storage", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(9, 3, 64, 16), (4, 2, 24, 4)])
+@pytest.mark.parametrize("window", [0, 7])
+def test_paged_decode_attention_reads_eight_bit_pools_in_place(ops, storage, dtype, tol, heads, kv_heads, head_dim,
+                                                               block_size, window):
+    """int8 / fp8 pools with their per-token scales: the C++ op dequantises each row as the
+    torch path does (data * scale in the model dtype) and gives its attention."""
+    lens, num_blocks = [1, 17, 45, 5], 64
+    torch.manual_seed(5)
+    k, v = _eight_bit_pools(storage, dtype, kv_heads, num_blocks, block_size, head_dim)
+    q = torch.randn(len(lens), heads, head_dim).to(dtype)
+    inp = _decode_inputs(lens, block_size, num_blocks)
+    fused, plain = TorchBackend(TorchBackendOptions(decode_attention="fused")), \
+        TorchBackend(TorchBackendOptions(decode_attention="torch"))
+    win = window or None
+    want = plain.attention(q, None, None, k, v, plain.prepare(inp), head_dim**-0.5, window=win)
+    got = fused.attention(q, None, None, k, v, fused.prepare(inp), head_dim**-0.5, window=win)
+    assert got.dtype == dtype and (got.float() - want.float()).abs().max().item() < tol
+    # the same attention over plain pools holding the dequantised values
+    kd, vd = (pool.gather_blocks(torch.arange(num_blocks)) for pool in (k, v))
+    plain_pools = fused.attention(q, None, None, kd, vd, fused.prepare(inp), head_dim**-0.5, window=win)
+    assert torch.equal(got, plain_pools)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_fp8_code_reads_back_exactly(ops, dtype):
+    """The op converts e4m3 on the bits (no table): every finite code, subnormals and -0
+    included, gives the value torch's conversion gives."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    (k, v), = TorchBackend(TorchBackendOptions(decode_attention="torch")).allocate_kv_cache(1, 16, 16, 1, 64, dtype, "fp8")
+    for pool, shift in ((k, 0), (v, 7)):
+        pool.data.view(torch.uint8).view(-1).copy_(codes.roll(shift).repeat(65)[:16 * 16 * 64])
+        pool.scale.fill_(0.5)
+    lens = [256, 100, 3]
+    inp = _decode_inputs(lens, 16, 16)
+    q = torch.randn(len(lens), 2, 64).to(dtype) * 0.01
+    fused = TorchBackend(TorchBackendOptions(decode_attention="fused"))
+    got = fused.attention(q, None, None, k, v, fused.prepare(inp), 0.125)
+    kd, vd = (pool.gather_blocks(torch.arange(16)) for pool in (k, v))
+    assert torch.equal(got, fused.attention(q, None, None, kd, vd, fused.prepare(inp), 0.125))
+    assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("storage", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_layer_attention_writes_eight_bit_pools_as_the_torch_path(ops, storage, dtype):
+    """The fused layer quantises the new k and v into the same bytes and scales as
+    QuantizedKV.write, and attends as the op-by-op path does."""
+    heads, kv_heads, head_dim, block_size, num_blocks, lens = 6, 2, 64, 4, 32, [3, 30, 1, 13]
+    torch.manual_seed(6)
+    qkv = (torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim) * 2).to(dtype)
+    qkv[0, heads * head_dim:(heads + 1) * head_dim] = 0  # an all-zero k row: the smallest scale, zeros back
+    angles = torch.rand(len(lens), head_dim // 2) * 6.28
+    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None, :]
+    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None, :]
+    inp = _decode_inputs(lens, block_size, num_blocks, seed=3)
+
+    plain = TorchBackend(TorchBackendOptions(decode_attention="torch"))
+    k_ref, v_ref = _eight_bit_pools(storage, dtype, kv_heads, num_blocks, block_size, head_dim)
+    k_got, v_got = (type(p)(p.data.clone(), p.scale.clone(), p.dtype, p.qmax) for p in (k_ref, v_ref))
+    T, qs = len(lens), heads * head_dim
+    qk = apply_rope(qkv[:, :qs + kv_heads * head_dim].view(T, -1, head_dim), cos, sin)
+    q, k = qk.split([heads, kv_heads], dim=1)
+    v = qkv[:, qs + kv_heads * head_dim:].view(T, kv_heads, head_dim)
+    meta = plain.prepare(inp)
+    plain.write_kv(k_ref, v_ref, k.to(dtype), v, meta.slot_mapping)
+    want = plain.attention(q.to(dtype), None, None, k_ref, v_ref, meta, head_dim**-0.5).reshape(T, qs)
+
+    fused = TorchBackend(TorchBackendOptions(decode_attention="fused"))
+    got = fused.decode_attention_block(qkv, cos, sin, k_got, v_got, fused.prepare(inp), heads, head_dim**-0.5)
+    assert got is not None
+    for mine, theirs in ((k_got, k_ref), (v_got, v_ref)):
+        assert torch.equal(mine.data.view(torch.uint8), theirs.data.view(torch.uint8))
+        assert torch.equal(mine.scale, theirs.scale)
+    assert (got.float() - want.float()).abs().max().item() < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, width", [(1, 576), (7, 33), (40, 64)])
 def test_add_rms_norm_matches_torch(ops, dtype, rows, width):
@@ -140,9 +228,10 @@ def test_the_fused_path_steps_aside_where_it_does_not_apply(ops):
         TorchBackend(TorchBackendOptions(decode_attention="fast"))
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
 def test_greedy_outputs_are_the_same_with_and_without_the_fused_op(ops, tiny_model_dir, kv_cache_dtype):
-    """Continuous batching mixes prefill and decode steps; 8-bit KV takes the torch path."""
+    """Continuous batching mixes prefill and decode steps; 8-bit pools are read in place by
+    the fused op and dequantised by the torch path."""
     prompts = [[3 + i for i in range(n)] for n in (5, 23, 40, 9)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
     outs, logprobs = {}, {}

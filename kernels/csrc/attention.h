@@ -14,6 +14,8 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -50,31 +52,80 @@ static inline float vec_exp(float x) {
 // start 0 and softcap 0 the arithmetic is the plain one, step for step.
 typedef float vf16 __attribute__((vector_size(64)));  // GCC/Clang vectors: AVX-512, or split for AVX2
 
+// An 8-bit pool's slot (backends/torch_backend.py QuantizedKV): int8 or float8_e4m3fn data
+// and one bfloat16 scale per token per head; its value is data * scale computed in the model
+// dtype R, as the torch path's dequantisation (data.to(R) * scale.to(R)) rounds it. Both
+// conversions to R are exact (|int8| <= 127, e4m3's 3 mantissa bits), so the only rounding is
+// the product's: float32 then rounded to R, which is what R's multiply does.
+// float8_e4m3fn to float32 on the bits, so the loop vectorises: the 7 bits below the sign,
+// moved to the top of a float32's exponent and mantissa, read as a float32 with the exponent
+// bias 127 instead of e4m3's 7 (subnormals included: both formats' are 0.m * 2^(1 - bias)),
+// so one multiply by 2^120 rebiases; then the sign. Exact for every finite value (the pools
+// hold no NaN: writes clamp to +-448).
+static inline float fp8_e4m3_to_float(uint8_t raw) {
+  const float magnitude = std::bit_cast<float>(static_cast<uint32_t>(raw & 0x7f) << 20) * 0x1p120f;
+  return std::bit_cast<float>(std::bit_cast<uint32_t>(magnitude) | (static_cast<uint32_t>(raw & 0x80) << 24));
+}
+
+template <typename R>
+static inline float round_to(float x) {
+  if constexpr (std::is_same_v<R, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<R, c10::BFloat16>) {  // round to nearest even on the bits (finite x)
+    uint32_t u = std::bit_cast<uint32_t>(x);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return std::bit_cast<float>(u);
+  } else {
+    return static_cast<float>(static_cast<R>(x));
+  }
+}
+
+template <typename S, typename R>
+static inline void dequant_row(const S* __restrict__ src, float scale, float* __restrict__ dst, int64_t n) {
+  if constexpr (std::is_same_v<S, int8_t>) {
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) dst[d] = round_to<R>(static_cast<float>(src[d]) * scale);
+  } else {
+    const uint8_t* __restrict__ raw = reinterpret_cast<const uint8_t*>(src);
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) dst[d] = round_to<R>(fp8_e4m3_to_float(raw[d]) * scale);
+  }
+}
+
 // The n keys (or values) from token t0 of KV head g as float32 rows in kf: block j of a block
 // table, or (SLOTS) entries t0.. of a list of flat slots (block * BS + offset), row by row.
-// The conversion is exact, so both give the same kf for the same tokens.
-template <typename T, bool SLOTS>
-static inline void load_rows(const T* base, int64_t g, int64_t NB, int64_t BS, int64_t D, const int64_t* table,
-                             int64_t j, int64_t t0, int64_t n, float* kf) {
-  if constexpr (SLOTS) {
-    for (int64_t o = 0; o < n; ++o) row_to_float(base + (g * NB * BS + table[t0 + o]) * D, kf + o * D, D);
+// The conversion is exact, so both give the same kf for the same tokens. S is the pool's
+// dtype, R the model's: S == R is a plain pool (`sc` unused), else an 8-bit one with its
+// scales `sc` [KVH, NB, BS] (see dequant_row).
+template <typename S, typename R, bool SLOTS>
+static inline void load_rows(const S* base, const c10::BFloat16* sc, int64_t g, int64_t NB, int64_t BS, int64_t D,
+                             const int64_t* table, int64_t j, int64_t t0, int64_t n, float* kf) {
+  if constexpr (std::is_same_v<S, R>) {
+    if constexpr (SLOTS) {
+      for (int64_t o = 0; o < n; ++o) row_to_float(base + (g * NB * BS + table[t0 + o]) * D, kf + o * D, D);
+    } else {
+      row_to_float(base + (g * NB + table[j]) * BS * D, kf, n * D);
+    }
   } else {
-    row_to_float(base + (g * NB + table[j]) * BS * D, kf, n * D);
+    for (int64_t o = 0; o < n; ++o) {
+      const int64_t slot = SLOTS ? g * NB * BS + table[t0 + o] : (g * NB + table[j]) * BS + o;
+      dequant_row<S, R>(base + slot * D, static_cast<float>(sc[slot]), kf + o * D, D);
+    }
   }
 }
 
 // `table`: the sequence's block table, or (SLOTS) its list of key slots; either way the keys are
 // taken in groups of BS in order, so a token list gives the arithmetic of the blocks it spells.
-template <typename T, int DC, bool SLOTS = false>
-static void attend_impl(const float* qf, const T* kp, const T* vp, int64_t g, int64_t NB, int64_t BS, int64_t Drt,
-                        const int64_t* table, int64_t L, int64_t G, std::vector<float>& scores, float* kf,
-                        float* acc, int64_t start, float softcap) {
+template <typename S, typename R, int DC, bool SLOTS = false>
+static void attend_impl(const float* qf, const S* kp, const S* vp, const c10::BFloat16* ks, const c10::BFloat16* vs,
+                        int64_t g, int64_t NB, int64_t BS, int64_t Drt, const int64_t* table, int64_t L, int64_t G,
+                        std::vector<float>& scores, float* kf, float* acc, int64_t start, float softcap) {
   const int64_t D = DC > 0 ? DC : Drt;
   const int64_t j0 = start / BS;  // the first block with a visible key
   scores.resize(G * L);
   for (int64_t j = j0, t0 = j0 * BS; t0 < L; ++j, t0 += BS) {
     const int64_t n = L - t0 < BS ? L - t0 : BS;
-    load_rows<T, SLOTS>(kp, g, NB, BS, D, table, j, t0, n, kf);
+    load_rows<S, R, SLOTS>(kp, ks, g, NB, BS, D, table, j, t0, n, kf);
     for (int64_t h = 0; h < G; ++h) {
       const float* __restrict__ qh = qf + h * D;
       float* sh = scores.data() + h * L + t0;
@@ -149,7 +200,7 @@ static void attend_impl(const float* qf, const T* kp, const T* vp, int64_t g, in
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t j = j0, t0 = j0 * BS; t0 < L; ++j, t0 += BS) {
     const int64_t n = L - t0 < BS ? L - t0 : BS;
-    load_rows<T, SLOTS>(vp, g, NB, BS, D, table, j, t0, n, kf);
+    load_rows<S, R, SLOTS>(vp, vs, g, NB, BS, D, table, j, t0, n, kf);
     for (int64_t h = 0; h < G; ++h) {
       const float* __restrict__ ph = scores.data() + h * L + t0;
       float* __restrict__ ah = acc + h * D;
@@ -182,14 +233,50 @@ static void attend_impl(const float* qf, const T* kp, const T* vp, int64_t g, in
   }
 }
 
-template <typename T, bool SLOTS = false>
-static void attend(const float* qf, const T* kp, const T* vp, int64_t g, int64_t NB, int64_t BS, int64_t D,
-                   const int64_t* table, int64_t L, int64_t G, std::vector<float>& scores, float* kf, float* acc,
-                   int64_t start = 0, float softcap = 0.f) {
-  if (D == 64) return attend_impl<T, 64, SLOTS>(qf, kp, vp, g, NB, BS, D, table, L, G, scores, kf, acc, start, softcap);
+// S: the pools' dtype; R: the model's (S == R: plain pools, ks and vs null; else 8-bit pools and their scales)
+template <typename S, typename R, bool SLOTS = false>
+static void attend(const float* qf, const S* kp, const S* vp, const c10::BFloat16* ks, const c10::BFloat16* vs,
+                   int64_t g, int64_t NB, int64_t BS, int64_t D, const int64_t* table, int64_t L, int64_t G,
+                   std::vector<float>& scores, float* kf, float* acc, int64_t start = 0, float softcap = 0.f) {
+  if (D == 64)
+    return attend_impl<S, R, 64, SLOTS>(qf, kp, vp, ks, vs, g, NB, BS, D, table, L, G, scores, kf, acc, start, softcap);
   if (D == 128)
-    return attend_impl<T, 128, SLOTS>(qf, kp, vp, g, NB, BS, D, table, L, G, scores, kf, acc, start, softcap);
-  attend_impl<T, 0, SLOTS>(qf, kp, vp, g, NB, BS, D, table, L, G, scores, kf, acc, start, softcap);
+    return attend_impl<S, R, 128, SLOTS>(qf, kp, vp, ks, vs, g, NB, BS, D, table, L, G, scores, kf, acc, start, softcap);
+  attend_impl<S, R, 0, SLOTS>(qf, kp, vp, ks, vs, g, NB, BS, D, table, L, G, scores, kf, acc, start, softcap);
+}
+
+// The pools as the ops take them: plain (k_scale, v_scale absent; the caches in the model
+// dtype) or 8-bit (int8 or float8_e4m3fn caches, each with its bfloat16 scales [KVH, NB, BS]).
+struct Pools {
+  at::Tensor k, v;
+  const c10::BFloat16* ks = nullptr;
+  const c10::BFloat16* vs = nullptr;
+  at::ScalarType storage;  // the caches' dtype
+
+  Pools(const at::Tensor& k_cache, const at::Tensor& v_cache, const c10::optional<at::Tensor>& k_scale,
+        const c10::optional<at::Tensor>& v_scale, at::ScalarType model)
+      : k(k_cache), v(v_cache), storage(k_cache.scalar_type()) {
+    TORCH_CHECK(k_scale.has_value() == v_scale.has_value(), "k_scale and v_scale: both or neither");
+    if (!k_scale) {
+      TORCH_CHECK(storage == model, "plain caches must be in the model dtype (q's)");
+      return;
+    }
+    TORCH_CHECK(storage == at::kChar || storage == at::kFloat8_e4m3fn, "8-bit caches must be int8 or float8_e4m3fn");
+    for (const auto* t : {&*k_scale, &*v_scale}) {
+      TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->dim() == 3 &&
+                  t->sizes() == k_cache.sizes().slice(0, 3), "scales: contiguous bfloat16 [KVH, NB, BS]");
+    }
+    ks = k_scale->data_ptr<c10::BFloat16>();
+    vs = v_scale->data_ptr<c10::BFloat16>();
+  }
+};
+
+// fn.template operator()<S>() with S the pools' storage type (R, the model's, when plain).
+template <typename R, typename F>
+static void with_storage(const Pools& p, F&& fn) {
+  if (p.ks == nullptr) return fn.template operator()<R>();
+  if (p.storage == at::kChar) return fn.template operator()<int8_t>();
+  fn.template operator()<c10::Float8_e4m3fn>();
 }
 
 // The first key a query with `L` keys before and including it sees under a sliding window
@@ -219,9 +306,12 @@ static void check_common(const at::Tensor& k_cache, const at::Tensor& v_cache, c
 // sees its last `window` keys only; `softcap` > 0: scores soft-capped (see attend_impl).
 inline at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                          at::Tensor block_tables, at::Tensor context_lens, double scale,
-                                         int64_t window = 0, double softcap = 0.0) {
+                                         int64_t window = 0, double softcap = 0.0,
+                                         c10::optional<at::Tensor> k_scale = c10::nullopt,
+                                         c10::optional<at::Tensor> v_scale = c10::nullopt) {
   RECORD_FUNCTION("tokenloom::paged_decode_attention", std::vector<c10::IValue>());  // (seen by torch.profiler)
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == k_cache.scalar_type(), "q [B, H, D] in the caches' dtype");
+  TORCH_CHECK(q.dim() == 3, "q must be [B, H, D]");
+  const Pools pools(k_cache, v_cache, k_scale, v_scale, q.scalar_type());
   check_common(k_cache, v_cache, block_tables, context_lens, q.size(0));
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && q.size(2) == k_cache.size(3), "head counts or sizes disagree");
   auto qc = q.contiguous();
@@ -232,23 +322,45 @@ inline at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::T
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    const scalar_t* qp = qc.data_ptr<scalar_t>();
-    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, B * KVH, grain_for(lens, B, KVH, D), [&](int64_t begin, int64_t end) {
-      std::vector<float> qf(G * D), acc(G * D), scores, kf(BS * D);
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / KVH, g = i % KVH;
-        row_to_float(qp + (b * H + g * G) * D, qf.data(), G * D);
-        for (auto& x : qf) x *= static_cast<float>(scale);
-        attend(qf.data(), kp, vp, g, NB, BS, D, bt + b * MB, lens[b], G, scores, kf.data(), acc.data(),
-               window_start(lens[b], window), static_cast<float>(softcap));
-        for (int64_t x = 0; x < G * D; ++x) op[(b * H + g * G) * D + x] = static_cast<scalar_t>(acc[x]);
-      }
+    with_storage<scalar_t>(pools, [&]<typename S>() {
+      const scalar_t* qp = qc.data_ptr<scalar_t>();
+      const S* kp = static_cast<const S*>(k_cache.data_ptr());
+      const S* vp = static_cast<const S*>(v_cache.data_ptr());
+      scalar_t* op = out.data_ptr<scalar_t>();
+      at::parallel_for(0, B * KVH, grain_for(lens, B, KVH, D), [&](int64_t begin, int64_t end) {
+        std::vector<float> qf(G * D), acc(G * D), scores, kf(BS * D);
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t b = i / KVH, g = i % KVH;
+          row_to_float(qp + (b * H + g * G) * D, qf.data(), G * D);
+          for (auto& x : qf) x *= static_cast<float>(scale);
+          attend<S, scalar_t>(qf.data(), kp, vp, pools.ks, pools.vs, g, NB, BS, D, bt + b * MB, lens[b], G, scores,
+                              kf.data(), acc.data(), window_start(lens[b], window), static_cast<float>(softcap));
+          for (int64_t x = 0; x < G * D; ++x) op[(b * H + g * G) * D + x] = static_cast<scalar_t>(acc[x]);
+        }
+      });
     });
   });
   return out;
+}
+
+// One K or V row of the model dtype into an 8-bit pool's slot, with the arithmetic of
+// QuantizedKV.quantize (backends/torch_backend.py), so either writer stores the same bytes:
+// scale = max(amax(|x|) / qmax, bfloat16's tiny), rounded to bfloat16; data = x / scale (by the
+// rounded scale), rounded half to even for int8, clamped to +-qmax (127; 448 for e4m3) and cast.
+template <typename R, typename S>
+static inline void quantize_row(const R* x, int64_t D, S* data, c10::BFloat16* scale) {
+  constexpr float qmax = std::is_same_v<S, int8_t> ? 127.f : 448.f;
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::abs(static_cast<float>(x[d])));
+  const c10::BFloat16 s(std::max(amax / qmax, std::numeric_limits<float>::min()));
+  *scale = s;
+  const float sf = static_cast<float>(s);
+  for (int64_t d = 0; d < D; ++d) {
+    float v = static_cast<float>(x[d]) / sf;
+    if constexpr (std::is_same_v<S, int8_t>) v = std::nearbyint(v);
+    v = std::min(std::max(v, -qmax), qmax);
+    data[d] = static_cast<S>(v);
+  }
 }
 
 // A decode layer's attention from its fused qkv projection, in one call: RoPE (rotate-half,
@@ -257,11 +369,13 @@ inline at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::T
 // cos, sin [B, D] float32; slots [B]. Returns [B, H * D] in qkv's dtype.
 inline at::Tensor decode_layer_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
                                          at::Tensor v_cache, at::Tensor slots, at::Tensor block_tables,
-                                         at::Tensor context_lens, int64_t num_heads, double scale) {
+                                         at::Tensor context_lens, int64_t num_heads, double scale,
+                                         c10::optional<at::Tensor> k_scale = c10::nullopt,
+                                         c10::optional<at::Tensor> v_scale = c10::nullopt) {
   RECORD_FUNCTION("tokenloom::decode_layer_attention", std::vector<c10::IValue>());
   const int64_t B = qkv.size(0), KVH = k_cache.size(0), D = k_cache.size(3), H = num_heads;
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (H + 2 * KVH) * D, "qkv must be [B, (H + 2 KVH) D]");
-  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type(), "qkv in the caches' dtype");
+  const Pools pools(k_cache, v_cache, k_scale, v_scale, qkv.scalar_type());
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.size(-1) == D, "float32 cos/sin [B, D]");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == B, "one int64 slot per row");
   check_common(k_cache, v_cache, block_tables, context_lens, B);
@@ -276,9 +390,10 @@ inline at::Tensor decode_layer_attention(at::Tensor qkv, at::Tensor cos, at::Ten
   const float* cp = c.data_ptr<float>();
   const float* sp = s.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "decode_layer_attention", [&] {
+   with_storage<scalar_t>(pools, [&]<typename S>() {
     const scalar_t* xp = x.data_ptr<scalar_t>();
-    scalar_t* kp = k_cache.data_ptr<scalar_t>();
-    scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    S* kp = static_cast<S*>(k_cache.data_ptr());
+    S* vp = static_cast<S*>(v_cache.data_ptr());
     scalar_t* op = out.data_ptr<scalar_t>();
     // rotate-half RoPE of one head: y = x * cos + rot(x) * sin, rot(x) = (-x[half:], x[:half]);
     // rounded to the cache dtype, as the model's q.to(dtype) / k.to(dtype) do
@@ -289,14 +404,22 @@ inline at::Tensor decode_layer_attention(at::Tensor qkv, at::Tensor cos, at::Ten
         dst[d] = static_cast<scalar_t>(xv * cs[d] + rv * sn[d]);
       }
     };
-    // 1. every row's new k, v into the cache (before any attention reads them)
+    // 1. every row's new k, v into the cache (before any attention reads them); into an 8-bit
+    // pool quantised from the model-dtype row as QuantizedKV.quantize does it
+    std::vector<scalar_t> krow(D);
     for (int64_t b = 0; b < B; ++b) {
       const int64_t blk = sl[b] / BS, off = sl[b] % BS;
       for (int64_t g = 0; g < KVH; ++g) {
-        scalar_t* kdst = kp + ((g * NB + blk) * BS + off) * D;
-        scalar_t* vdst = vp + ((g * NB + blk) * BS + off) * D;
-        rope(xp + b * W + (H + g) * D, cp + b * D, sp + b * D, kdst);
-        std::copy(xp + b * W + (H + KVH + g) * D, xp + b * W + (H + KVH + g + 1) * D, vdst);
+        const int64_t slot = (g * NB + blk) * BS + off;
+        const scalar_t* vsrc = xp + b * W + (H + KVH + g) * D;
+        if constexpr (std::is_same_v<S, scalar_t>) {
+          rope(xp + b * W + (H + g) * D, cp + b * D, sp + b * D, kp + slot * D);
+          std::copy(vsrc, vsrc + D, vp + slot * D);
+        } else {
+          rope(xp + b * W + (H + g) * D, cp + b * D, sp + b * D, krow.data());
+          quantize_row(krow.data(), D, kp + slot * D, const_cast<c10::BFloat16*>(pools.ks) + slot);
+          quantize_row(vsrc, D, vp + slot * D, const_cast<c10::BFloat16*>(pools.vs) + slot);
+        }
       }
     }
     // 2. attention per (row, KV head)
@@ -309,10 +432,12 @@ inline at::Tensor decode_layer_attention(at::Tensor qkv, at::Tensor cos, at::Ten
           rope(xp + b * W + (g * G + h) * D, cp + b * D, sp + b * D, qr.data() + h * D);
         row_to_float(qr.data(), qf.data(), G * D);
         for (auto& v : qf) v *= static_cast<float>(scale);
-        attend(qf.data(), kp, vp, g, NB, BS, D, bt + b * MB, lens[b], G, scores, kf.data(), acc.data());
+        attend<S, scalar_t>(qf.data(), kp, vp, pools.ks, pools.vs, g, NB, BS, D, bt + b * MB, lens[b], G, scores,
+                            kf.data(), acc.data());
         for (int64_t e = 0; e < G * D; ++e) op[b * H * D + g * G * D + e] = static_cast<scalar_t>(acc[e]);
       }
     });
+   });
   });
   return out;
 }
@@ -364,8 +489,9 @@ inline at::Tensor slot_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_
         const int64_t t = i / KVH, g = i % KVH;
         row_to_float(qp + (t * H + g * G) * D, qf.data(), G * D);
         for (auto& x : qf) x *= static_cast<float>(scale);
-        attend<scalar_t, true>(qf.data(), kp, vp, g, NB, BS, D, sp + rows[t] * W, lens[t], G, scores, kf.data(),
-                               acc.data(), window_start(lens[t], window), static_cast<float>(softcap));
+        attend<scalar_t, scalar_t, true>(qf.data(), kp, vp, nullptr, nullptr, g, NB, BS, D, sp + rows[t] * W,
+                                         lens[t], G, scores, kf.data(), acc.data(), window_start(lens[t], window),
+                                         static_cast<float>(softcap));
         for (int64_t x = 0; x < G * D; ++x) op[(t * H + g * G) * D + x] = static_cast<scalar_t>(acc[x]);
       }
     });

@@ -130,6 +130,7 @@ struct DecodeStep {
   double eps, scale;
   at::ScalarType dtype;
   std::vector<at::Tensor> k_caches, v_caches;
+  std::vector<c10::optional<at::Tensor>> k_scales, v_scales;  // per layer: an 8-bit pool's scales, or none
 
   DecodeStep(at::Tensor embed, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> input_norm,
              std::vector<at::Tensor> post_norm, std::vector<std::shared_ptr<StepLinear>> qkv,
@@ -156,10 +157,21 @@ struct DecodeStep {
     }
   }
 
-  void bind(std::vector<at::Tensor> k, std::vector<at::Tensor> v) {
-    TORCH_CHECK(k.size() == input_norm.size() && v.size() == input_norm.size(), "one K and V pool per layer");
+  // The KV pools, one K and V per layer: plain (in the model dtype) with no scales, or 8-bit
+  // (int8 / float8_e4m3fn) with one bfloat16 scale tensor [KVH, NB, BS] each.
+  void bind(std::vector<at::Tensor> k, std::vector<at::Tensor> v, std::vector<at::Tensor> ks,
+            std::vector<at::Tensor> vs) {
+    const size_t n = input_norm.size();
+    TORCH_CHECK(k.size() == n && v.size() == n, "one K and V pool per layer");
+    TORCH_CHECK((ks.empty() && vs.empty()) || (ks.size() == n && vs.size() == n), "scales: none, or one per pool");
     k_caches = std::move(k);
     v_caches = std::move(v);
+    k_scales.assign(n, c10::nullopt);
+    v_scales.assign(n, c10::nullopt);
+    for (size_t l = 0; l < ks.size(); ++l) {
+      k_scales[l] = ks[l];
+      v_scales[l] = vs[l];
+    }
   }
 
   // Layer l's fused q/k/v of the normed input x [T, d], as DecoderLayer.attend makes it before
@@ -194,7 +206,7 @@ struct DecodeStep {
     for (size_t l = 0; l < input_norm.size(); ++l) {
       at::Tensor x = add_rms_norm(h, delta, input_norm[l], eps, dtype);
       const at::Tensor attn = decode_layer_attention(project_qkv(l, x), c, s, k_caches[l], v_caches[l], slots,
-                                                     tables, lens, num_heads, scale);
+                                                     tables, lens, num_heads, scale, k_scales[l], v_scales[l]);
       x = add_rms_norm(h, o[l]->apply(attn), post_norm[l], eps, dtype);
       const auto gu = gate_up[l]->apply(x).chunk(2, -1);
       delta = down[l]->apply(at::mul(at::silu(gu[0]), gu[1]));
@@ -216,8 +228,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("simd_path", &simd_path);
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0,
-        py::arg("softcap") = 0.0);
-  m.def("decode_layer_attention", &decode_layer_attention);
+        py::arg("softcap") = 0.0, py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+  m.def("decode_layer_attention", &decode_layer_attention, py::arg("qkv"), py::arg("cos"), py::arg("sin"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("num_heads"), py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("add_rms_norm", &add_rms_norm);
   m.def("slot_attention", &slot_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("slot_rows"), py::arg("q_row"), py::arg("q_len"), py::arg("scale"), py::arg("window") = 0,
