@@ -75,11 +75,15 @@ def run_tokenloom(args, flags, pm) -> tuple[dict, list[BenchRequest]]:
         res = run_workload(llm, workload, recorder)
         sched = llm.engine.config.scheduler.name
         cache = llm.engine.config.cache_manager.name
-        dtype = str(llm.engine.runner.dtype).replace("torch.", "")
+        note = str(llm.engine.runner.dtype).replace("torch.", "")
+        if llm.engine.config.engine.kv_cache_dtype != "auto":
+            note += f"; {llm.engine.config.engine.kv_cache_dtype} KV cache"
+        if getattr(llm.engine.config.backend.options, "int8_activations", False):
+            note += "; int8 activations above the int4 crossing"
     finally:
         llm.close()
         pm.pm.unregister(recorder)
-    return _row(f"tokenloom {sched}+{cache}", workload, res["elapsed_s"], dtype), workload
+    return _row(f"tokenloom {sched}+{cache}", workload, res["elapsed_s"], note), workload
 
 
 def run_llama_cpp_single(model_path: Path, workload, threads: int) -> dict | None:
@@ -306,7 +310,7 @@ def run_peers(args, flags: dict, pm: PluginManager) -> dict:
         ours, workload = run_tokenloom(args, merge_layers(flags, {"scheduler": {"max_num_seqs": level}}), pm)
         rows.append({**ours, "concurrency": level})
         print(f"  {level:>3} {ours['system']}: {ours['output_tok_s']:.1f} output tok/s", flush=True)
-        dtype = ours["note"]
+        dtype = ours["note"].split(";")[0]  # (the engine dtype; the peers run in it)
         if level == 1:
             attempt("llama-cpp-python", "pip install -e '.[peers]'", level,
                     isolated, run_llama_cpp_single, model_path, workload, threads)
