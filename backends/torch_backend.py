@@ -60,11 +60,6 @@ class TorchBackendOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
     # 8-bit weights with per-group scales (GGUF Q8_0) are re-quantised to one scale per row so
     # the int8 kernel can run them (a second rounding); false dequantises them instead.
     int8_regroup: bool = True
-    # Rows above the quantised kernels' crossing (prompt chunks, large batches) as int8 too:
-    # the dense copy becomes int8 per output channel and each row is quantised to int8 at
-    # run time (its own scale), an int8 GEMM (VNNI / AMX) at about twice bf16's rate; new
-    # rounding error in the activations, so off by default (backends/torch_linear.py).
-    int8_activations: bool = False
     # Decode attention on CPU: "fused" reads the KV blocks in place with one C++ op
     # (kernels/cpu_ops.py, built on first use); "torch" gathers each context with
     # torch ops; "auto" takes fused where it builds, else torch.
@@ -180,12 +175,6 @@ class TorchBackend:
         options = options or TorchBackendOptions()
         self.cpu_linear, self.quant_max_rows = options.cpu_linear, options.quant_max_rows
         self.int8_regroup = options.int8_regroup
-        self.int8_activations = options.int8_activations
-        if self.int8_activations and options.quant_max_rows == 0:
-            from tokenloom.core.errors import ConfigError
-
-            raise ConfigError("backend.int8_activations applies to the dense copy used above the quantised "
-                              "kernels' crossing; backend.quant_max_rows = 0 keeps none")
         if self.cpu_linear not in ("dual", "mkl", "onednn"):
             from tokenloom.core.errors import ConfigError
 
@@ -232,9 +221,6 @@ class TorchBackend:
         if self.device.type != "cpu":
             raise ConfigError(f"batch_invariant: the torch backend's invariant mode runs on CPU only, not on "
                               f"device {str(self.device)!r} (its kernels are the C++ CPU ops)")
-        if options.int8_activations:
-            raise ConfigError("batch_invariant: backend.int8_activations sends rows above the quantised kernels' "
-                              "crossing to an int8 GEMM; the mode keeps the quantised kernels at every row count")
         if options.quant_max_rows > 0:
             raise ConfigError(f"batch_invariant: backend.quant_max_rows = {options.quant_max_rows} sends matmuls "
                               "over more rows to a dense copy; the mode keeps the quantised kernels at every row "
@@ -524,15 +510,7 @@ class TorchBackend:
         """Called once per matmul at load time: the LinearWeight this machine computes it
         with (backends/torch_linear.py says which kernel for which spec)."""
         lw = pack(spec, dtype, cpu_linear=self.cpu_linear, quant_max_rows=self.quant_max_rows,
-                  int8_regroup=self.int8_regroup, int8_activations=self.int8_activations)
-        if self.int8_activations and isinstance(spec, torch.Tensor):
-            # (a quantised weight the kernels cannot take, an odd shape, stays dense at every row
-            # count: its kernel name says "dequantised")
-            from tokenloom.core.errors import ConfigError
-
-            raise ConfigError(f"backend.int8_activations: the {lw.out_features}x{lw.in_features} matmul has dense "
-                              "weights; the option applies to quantised ones (the embedded GGUF as it is, "
-                              "--quantizer int8 / rtn, or a GPTQ / AWQ checkpoint) on CPU")
+                  int8_regroup=self.int8_regroup)
         if self.batch_invariant and not isinstance(lw, (Int4Linear, Int8Linear)):
             from tokenloom.core.errors import ConfigError
 

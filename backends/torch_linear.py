@@ -16,8 +16,6 @@ Which kernel runs depends on the spec, the device and the batch:
   kept beside the quantised one, is used instead: the kernels are built for few rows.
   ``quant_max_rows = -1`` (the default) measures where that crossing lies on this machine,
   per weight shape, at load (``_tuned``; `tokenloom bench kernels` prints the timings);
-  with ``int8_activations`` that dense copy is int8 and so are the rows (``DynamicInt8Linear``:
-  per-row dynamic scales, ``torch._int_mm``), as OpenVINO's CPU plugin quantises activations;
 - 8-bit per-channel symmetric on CPU: ``torch._weight_int8pack_mm`` (bf16 activations);
 - 8-bit with finer groups (GGUF Q8_0: SmolLM2's tied embedding and head) on CPU: with
   ``int8_regroup`` (default) re-quantised to one scale per row for that kernel — a second
@@ -158,38 +156,6 @@ class Int8Linear(_QuantisedLinear):
         return self.weight.numel() + self.scales.numel() * 2
 
 
-class DynamicInt8Linear:
-    """The dense copy of a quantised weight with int8 activations (``int8_activations``): the
-    weight re-quantised to int8 with one symmetric scale per output channel, each input row
-    quantised at run time to int8 with its own scale (amax / 127), an int8 x int8 -> int32
-    GEMM (``torch._int_mm``: VNNI or AMX through oneDNN, about 2x a bf16 GEMM's rate on an
-    AVX512-BF16 Zen), then both scales applied in float32 and the result cast to the input's
-    dtype. A row's result depends on that row only. The rounding of the activations is new
-    error (about 0.4% of a row's largest value), so it is a choice, not a default."""
-
-    __slots__ = ("codes", "scales", "out_features", "in_features", "kernel")
-
-    def __init__(self, weight: torch.Tensor):
-        self.out_features, self.in_features = weight.shape
-        w = weight.float()
-        scales = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-        self.codes = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8).t().contiguous()  # [in, out]
-        self.scales = scales.contiguous()
-        self.kernel = "int8 x int8 (_int_mm, dynamic per-row activations)"
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        # (the C++ step's StepLinear W8A8 runs these ops in this order: keep them alike)
-        xf = x2.float()
-        row_scales = xf.abs().amax(dim=1, keepdim=True).div_(127).clamp_min_(torch.finfo(torch.float32).tiny)
-        xq = torch.div(xf, row_scales).round_().clamp_(-127, 127).to(torch.int8)  # (xf may be x itself)
-        out = torch._int_mm(xq, self.codes).float().mul_(row_scales).mul_(self.scales).to(x.dtype)
-        return out.view(*x.shape[:-1], self.out_features)
-
-    def nbytes(self) -> int:
-        return self.codes.numel() + self.scales.numel() * 4
-
-
 def is_int8_per_channel(qw: QuantizedWeight) -> bool:
     return qw.bits == 8 and qw.group_size == qw.shape[1] and bool((qw.zeros == 128).all())
 
@@ -203,19 +169,14 @@ def per_channel_int8(qw: QuantizedWeight) -> QuantizedWeight:
                            group_size=w.shape[1])
 
 
-def pack(spec: WeightSpec, dtype: torch.dtype, *, cpu_linear: str, quant_max_rows: int, int8_regroup: bool = True,
-         int8_activations: bool = False):
+def pack(spec: WeightSpec, dtype: torch.dtype, *, cpu_linear: str, quant_max_rows: int, int8_regroup: bool = True):
     """The torch backend's choice of LinearWeight for ``spec`` (see the module docstring)."""
     cpu = (spec.device if isinstance(spec, torch.Tensor) else _device(spec)).type == "cpu"
     if isinstance(spec, QuantizedWeight) and cpu and spec.g_idx is None:
         out, inp = spec.shape
 
         def dense():  # the copy used above quant_max_rows, built only for a quantised kernel
-            if quant_max_rows == 0:
-                return None
-            if int8_activations:
-                return DynamicInt8Linear(spec.dequantize(torch.float32))
-            return _dense(spec.dequantize(dtype), cpu_linear, "")
+            return _dense(spec.dequantize(dtype), cpu_linear, "") if quant_max_rows != 0 else None
 
         if spec.bits == 4 and spec.group_size in INT4_GROUP_SIZES and inp % spec.group_size == 0 and out % 16 == 0:
             return _tuned(Int4Linear(spec, quant_max_rows, dense()), quant_max_rows, ("int4", spec.group_size), dtype)
@@ -332,8 +293,6 @@ def step_linear(lw, ops):
         return base
     if isinstance(lw, DenseLinear):
         return ops.StepLinear(0, lw.weight, none, 0, 0, None)
-    if isinstance(lw, DynamicInt8Linear):
-        return ops.StepLinear(4, lw.codes, lw.scales, 0, 0, None)
     if isinstance(lw, PackedLinear):
         return ops.StepLinear(3, lw.wt if lw.wt is not None else none, lw.onednn if lw.onednn is not None else none,
                               0, lw.max_rows, None)

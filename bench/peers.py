@@ -78,8 +78,6 @@ def run_tokenloom(args, flags, pm) -> tuple[dict, list[BenchRequest]]:
         note = str(llm.engine.runner.dtype).replace("torch.", "")
         if llm.engine.config.engine.kv_cache_dtype != "auto":
             note += f"; {llm.engine.config.engine.kv_cache_dtype} KV cache"
-        if getattr(llm.engine.config.backend.options, "int8_activations", False):
-            note += "; int8 activations above the int4 crossing"
     finally:
         llm.close()
         pm.pm.unregister(recorder)

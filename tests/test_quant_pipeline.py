@@ -52,42 +52,6 @@ def test_batches_above_quant_max_rows_use_the_dense_copy(tmp_path, tiny_hf_model
         assert "onednn above (float32, measured)" in w.dense.kernel  # the engine dtype's best dense path
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_int8_activations_above_the_crossing(tmp_path, tiny_hf_model, dtype):
-    """backend.int8_activations: rows above quant_max_rows go to the int8 x int8 copy; each row
-    quantised on its own (its result does not depend on the other rows), close to the
-    4-bit kernel's values; the input is left as it was."""
-    from tokenloom.backends.torch_linear import DynamicInt8Linear
-
-    path = tmp_path / "tiny.gguf"
-    write_gguf(path, tiny_hf_model, Q.Q4_1)
-    with LLM(model=str(path), dtype=dtype, num_kv_blocks=16,
-             backend={"name": "torch", "quant_max_rows": 8, "int8_activations": True}) as llm:
-        w = llm.engine.runner.model.linear_layers()[0]["gate_up"]
-        assert isinstance(w.dense, DynamicInt8Linear) and w.dense.kernel.startswith("int8 x int8")
-        big = torch.randn(40, w.in_features).to(getattr(torch, dtype))
-        kept = big.clone()
-        out = w.apply(big)
-        assert torch.equal(big, kept) and out.dtype == big.dtype
-        assert torch.equal(out, w.dense.apply(big))
-        assert torch.equal(out[5:17], w.dense.apply(big[5:17]))  # row by row
-        by_int4 = w.quantised(big).float()
-        rel = ((out.float() - by_int4).norm() / by_int4.norm()).item()
-        assert 0 < rel < 0.03, rel
-
-
-def test_int8_activations_is_refused_where_it_cannot_apply(tiny_model_dir):
-    with pytest.raises(ConfigError, match="int8_activations.*dense weights"):
-        LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=8, quantizer="none",
-            backend={"name": "torch", "int8_activations": True})
-    with pytest.raises(ConfigError, match="quant_max_rows = 0"):
-        LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=8, quantizer="int8",
-            backend={"name": "torch", "int8_activations": True, "quant_max_rows": 0})
-    with pytest.raises(ConfigError, match="batch_invariant: backend.int8_activations"):
-        LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=8, quantizer="int8", batch_invariant=True,
-            backend={"name": "torch", "int8_activations": True})
-
-
 def test_the_crossing_to_the_dense_copy_is_measured_per_shape(tmp_path, tiny_hf_model):
     from tokenloom.backends.torch_linear import KERNEL_TIMINGS, TUNE_MARGIN
 

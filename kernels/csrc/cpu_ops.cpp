@@ -9,7 +9,6 @@
 #include "attention.h"
 #include "rms_norm.h"
 
-#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -42,11 +41,10 @@ struct LoraStep {
 
 // One matmul as the backend packed it (backends/torch_linear.py), mirrored kind by kind.
 struct StepLinear {
-  enum Kind : int64_t { DENSE = 0, INT4 = 1, INT8 = 2, FP32_PACKED = 3, W8A8 = 4 };
+  enum Kind : int64_t { DENSE = 0, INT4 = 1, INT8 = 2, FP32_PACKED = 3 };
   int64_t kind;
   at::Tensor a, b;  // DENSE: weight; INT4: packed, scales_zeros; INT8: weight, scales;
-                    // FP32_PACKED: [in, out] copy for MKL (or undefined), oneDNN-packed (or undefined);
-                    // W8A8: int8 codes [in, out], float32 scales [out]
+                    // FP32_PACKED: [in, out] copy for MKL (or undefined), oneDNN-packed (or undefined)
   int64_t group;     // INT4 group size
   int64_t max_rows;  // quantised: their kernel up to this many rows, `dense` above; FP32: MKL up to, oneDNN above
   std::shared_ptr<StepLinear> dense;
@@ -101,13 +99,6 @@ struct StepLinear {
   at::Tensor apply_base(const at::Tensor& x) const {
     const int64_t rows = x.size(0);
     if (kind == DENSE) return at::linear(x, a);
-    if (kind == W8A8) {  // backends/torch_linear.py DynamicInt8Linear.apply, op for op
-      const at::Tensor xf = x.to(at::kFloat);
-      const at::Tensor row_scales =
-          xf.abs().amax({1}, true).div_(127).clamp_min_(std::numeric_limits<float>::min());
-      const at::Tensor xq = at::div(xf, row_scales).round_().clamp_(-127, 127).to(at::kChar);  // (xf may be x)
-      return at::_int_mm(xq, a).to(at::kFloat).mul_(row_scales).mul_(b).to(x.scalar_type());
-    }
     if (kind == FP32_PACKED) {
       if (!b.defined() || (a.defined() && rows <= max_rows)) return at::mm(x, a);
       return onednn_linear(x, b);
