@@ -136,7 +136,7 @@ def test_auto_chooses_ngram_where_text_repeats_and_says_so(kit_model, tmp_path, 
     from tokenloom import LLM
 
     draft = random_draft(kit_model, tmp_path / "draft.safetensors")
-    flags = _kit_flags(kit_model, decoder={"name": "auto"}, enable_decoders=[])
+    flags = _kit_flags(kit_model, decoder={"name": "auto", "speculative": False}, enable_decoders=[])
     # no draft for the kit model where auto looks: auto goes on with n-gram alone
     with LLM(flags=flags) as llm:
         assert llm.engine.decoder.eagle is None
@@ -163,6 +163,34 @@ def test_auto_chooses_ngram_where_text_repeats_and_says_so(kit_model, tmp_path, 
         assert llm.generate([prompts[0]], seeded)[0].token_ids == first.token_ids
         assert "eagle" not in first.metrics.drafted_by
         assert llm.engine.cache.stats().num_used_blocks == 0
+
+
+def test_auto_drafts_with_the_model_in_four_bits_where_the_target_is_not(kit_model):
+    """A float32 target: auto loads the engine's model through the 4-bit kernel as a second
+    model draft, measures it, and its drafts (greedy and sampled) keep the target's output; a
+    target that already runs the 4-bit kernel gets no such draft."""
+    from tokenloom import LLM
+
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5], [7, 7, 2, 9, 10, 11]]
+    with LLM(flags=_kit_flags(kit_model, decoder={"name": "auto", "eagle": False, "probe_steps": 2})) as llm:
+        auto = llm.engine.decoder
+        assert auto.speculative is not None and list(auto.drafters) == ["speculative"]
+        got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        want = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, decoder="standard"))
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert "speculative" in set().union(*(o.metrics.drafted_by for o in got))
+        stats = llm.engine.stats()
+        assert stats["decoder_auto_chose_speculative"] > 0 and stats["decoder_auto_speculative_ms_per_token"] > 0
+        assert llm.engine.cache.stats().num_used_blocks == 0
+        assert auto.speculative.draft.cache.stats().num_used_blocks == 0
+    # the decoder kit (greedy, sampled chi-square, blocks back) with auto measuring its modes
+    # again after every step, so that the speculative draft proposes throughout (its sampled
+    # drafts' distributions are what verification must be given)
+    report = check_decoder("auto", model_dir=kit_model, decoder_options={
+        "eagle": False, "probe_steps": 2, "reprobe_steps": 1, "max_batch": 8})
+    assert report["stats"]["decoder_auto_chose_speculative"] > 100
+    with LLM(flags=_kit_flags(kit_model, quantizer="rtn", decoder={"name": "auto", "eagle": False})) as llm:
+        assert llm.engine.decoder.speculative is None and not llm.engine.decoder.drafters
 
 
 def test_the_draft_cache_holds_the_true_pairs_after_decoding(kit_model, tmp_path, monkeypatch):

@@ -5,9 +5,13 @@
   n-gram step costs over a plain one (``ms/step(ngram) / ms/step(none) - 1``, measured here;
   at least ``ngram_min_accepted``): a measured match rate against a measured price. Every
   request starts optimistic, and one whose lookups stop paying drifts back to trying them;
-- **EAGLE** otherwise, when a draft for the model is found (plugins/decoders/eagle.py) *and*
-  it is measured to pay: the time per emitted token of EAGLE steps (the step's wall time over
-  the tokens it emitted) against plain steps', both measured here as they run;
+- **a model draft** otherwise, the faster of those available *and* only while it is measured
+  to pay: the time per emitted token of its steps (the step's wall time over the tokens it
+  emitted) against plain steps', all measured here as they run. The candidates: **EAGLE**
+  when a draft for the model is found (plugins/decoders/eagle.py), and **speculative** (the
+  engine's own model through the native 4-bit kernel drafting for it,
+  plugins/decoders/speculative.py) when the target does not already run that kernel (a
+  float32 or dense target: ``speculative = true`` loads it anyway, ``false`` never);
 - **plain decoding** when neither pays or is available, when drafting stops paying for the
   request (the shared step's per-sequence pause) or when the batch is large (``max_batch``:
   a big batch is compute-bound and extra rows cost more than they save).
@@ -22,7 +26,7 @@ the choice follows the machine, the dtype and the text.
 A **seeded** request's choice depends on the request alone, never on timings taken from
 other requests (drafting changes which random draws it makes, so its tokens would otherwise
 depend on what ran before it): n-gram when its own match rate reaches
-``ngram_min_accepted``, plain decoding otherwise, never EAGLE.
+``ngram_min_accepted``, plain decoding otherwise, never a model draft.
 
 Verification is the shared exact core, so every choice gives the target's distribution.
 Each request's final message says which decoders drafted for it
@@ -46,6 +50,7 @@ from tokenloom.core.runner import ForwardOutput, HiddenRows
 from tokenloom.core.sequence import Batch, Sequence
 from tokenloom.plugins.decoders.base import SharedStepDecoder
 from tokenloom.plugins.decoders.ngram import NgramDecoder, NgramOptions, lookup
+from tokenloom.plugins.decoders.speculative import SpeculativeOptions
 
 log = structlog.get_logger("tokenloom.decoders")
 
@@ -58,6 +63,10 @@ class AutoOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ngram_min_accepted: float = 0.1  # the least n-gram drafts kept per step (average) for n-gram to go on
     ngram_k: int = 3  # n-gram drafts per step
     eagle: bool = True  # use an EAGLE draft when one is found for the model (and it pays)
+    # the engine's model in 4 bits as a draft (and when it pays); None: where the target does not
+    # already run the native 4-bit kernel (a float32 or dense target), which is where it can pay
+    speculative: bool | None = None
+    draft_num_kv_blocks: int = 256  # the 4-bit draft's KV pool, in blocks
     probe_steps: int = 4  # timed steps a mode needs before it is judged
     reprobe_steps: int = 512  # steps after which a mode that lost is tried again
     max_batch: int = 4
@@ -74,7 +83,7 @@ class _Timing:
 
     def add(self, ms: float, tokens: float) -> None:
         self.steps += 1
-        w = 1.0 if self.steps == 1 else 0.1
+        w = max(1.0 / self.steps, 0.1)  # the mean of the first ten (one slow first step does not decide), then 0.1
         self.ms_per_step += w * (ms - self.ms_per_step)
         self.tokens_per_step += w * (tokens - self.tokens_per_step)
 
@@ -107,11 +116,19 @@ class AutoDecoder(SharedStepDecoder):
             except Exception as exc:  # noqa: BLE001 - no draft for this model: auto goes on without EAGLE
                 self.eagle_unavailable = f"{type(exc).__name__}: {exc}"
                 log.info("auto_without_eagle", reason=self.eagle_unavailable)
-        self._eagle_on = self.eagle is not None  # drafting with EAGLE now (or measuring it)
+        self.speculative: SharedStepDecoder | None = None
+        if o.speculative or (o.speculative is None and not _target_runs_int4(context)):
+            # (a draft pool for max_batch sequences, not the standalone decoder's 1,024 blocks)
+            self.speculative = context.plugin_manager.get("decoder", "speculative").factory(
+                SpeculativeOptions(draft_num_kv_blocks=o.draft_num_kv_blocks), quiet)
+        #: the model drafts auto may choose between, by name
+        self.drafters = {name: d for name, d in (("eagle", self.eagle), ("speculative", self.speculative))
+                         if d is not None}
+        self._drafter: str | None = next(iter(self.drafters), None)  # the model draft in use (or measured) now
         self.default_k, self.max_batch = o.ngram_k, o.max_batch
         self._choices: dict[int, _Choice] = {}
-        self._chosen = {"ngram": 0, "eagle": 0, "none": 0}
-        self._timing = {"eagle": _Timing(), "ngram": _Timing(), "none": _Timing()}
+        self._chosen = {"ngram": 0, "eagle": 0, "speculative": 0, "none": 0}
+        self._timing = {"eagle": _Timing(), "speculative": _Timing(), "ngram": _Timing(), "none": _Timing()}
         self._last: tuple[float, frozenset[int]] | None = None  # (when the last proposal ended, its sequences)
         self._since_probe = 0
 
@@ -133,26 +150,37 @@ class AutoDecoder(SharedStepDecoder):
             return self.opts.ngram_min_accepted
         return max(self.opts.ngram_min_accepted, ng.ms_per_step / plain.ms_per_step - 1.0)
 
-    def _eagle_pays(self) -> bool:
-        """Is EAGLE worth trying this step? Yes while either mode is still being measured, while
-        EAGLE is measured faster per token, and for a few steps every ``reprobe_steps``."""
-        e, plain = self._timing["eagle"], self._timing["none"]
+    def _model_drafter(self) -> str | None:
+        """The model draft worth trying this step, or None: while a mode (a draft, or plain
+        decoding) is still being measured, the least measured one; then the fastest per token,
+        if it is a draft; and the drafts again for a few steps every ``reprobe_steps``."""
+        if not self.drafters:
+            return None
         o = self.opts
-        if e.steps < o.probe_steps or plain.steps < o.probe_steps:
-            return e.steps <= plain.steps  # measure both, alternating
-        if e.ms_per_token < plain.ms_per_token:
-            return True
+        modes = [*self.drafters, "none"]
+        timing = [self._timing[m] for m in modes]
+        if min(t.steps for t in timing) < o.probe_steps:  # measure each, in turn
+            least = min(modes, key=lambda m: self._timing[m].steps)
+            return None if least == "none" else least
         self._since_probe += 1
-        if self._since_probe >= o.reprobe_steps:  # try again: the text or the load may have changed
+        if self._since_probe >= o.reprobe_steps:  # measure all again: the text or the load may have changed
             self._since_probe = 0
-            e.steps = plain.steps = min(e.steps, o.probe_steps // 2)
-        return False
+            for t in timing:
+                t.steps = min(t.steps, o.probe_steps // 2)
+        best = min(modes, key=lambda m: self._timing[m].ms_per_token)
+        return None if best == "none" else best
 
     @property  # type: ignore[override]
     def needs_hidden(self) -> HiddenRows:
-        """Every row's hidden states while EAGLE drafts or is measured; none while it is
-        measured not to pay (its draft starts over from where it comes back)."""
-        return "all" if self._eagle_on else False
+        """Every row's hidden states while EAGLE drafts or is measured; none otherwise (its
+        draft starts over from where it comes back)."""
+        return "all" if self._drafter == "eagle" else False
+
+    def draft_probs(self, seq: Sequence, k: int):
+        """The model draft's distributions for the drafts it made (the speculative draft
+        samples a sampled request's drafts); n-gram and EAGLE drafts are deterministic."""
+        drafter = self.drafters.get(seq.drafted_by or "")
+        return drafter.draft_probs(seq, k) if drafter is not None else None
 
     def observe(self, batch: Batch, forward: ForwardOutput, result: DecoderOutput, seqs: list[Sequence]) -> None:
         if self.eagle is not None:
@@ -161,8 +189,8 @@ class AutoDecoder(SharedStepDecoder):
     def propose(self, seqs: list[Sequence], outputs: DecoderOutput, forward: ForwardOutput) -> None:
         began = time.perf_counter()
         self._time_step(seqs, outputs, began)
-        to_eagle = []
-        eagle_pays = self._eagle_on = self.eagle is not None and self._eagle_pays()
+        to_model: list[Sequence] = []
+        drafter = self._drafter = self._model_drafter()
         for seq in seqs:
             out = outputs[seq]
             c = self._choices.setdefault(seq.seq_id, _Choice())
@@ -181,27 +209,36 @@ class AutoDecoder(SharedStepDecoder):
             if drafts:
                 seq.draft_token_ids, seq.drafted_by = drafts, "ngram"
                 self._chosen["ngram"] += 1
-            elif eagle_pays and not seeded:
-                to_eagle.append(seq)
+            elif drafter is not None and not seeded:
+                to_model.append(seq)
+                continue
             else:
                 self._chosen["none"] += 1
-        if to_eagle and self.eagle is not None:
-            self.eagle.propose(to_eagle, outputs, forward)
-            for seq in to_eagle:
-                seq.drafted_by = "eagle" if seq.draft_token_ids else None
-                self._chosen["eagle" if seq.draft_token_ids else "none"] += 1
-        self._last = (began, frozenset(s.seq_id for s in seqs))
+            if out.drafted_by == "speculative" and self.speculative is not None:
+                self.speculative.discard(seq, out)  # its draft's KV back to what the target kept
+        # a speculative draft's first proposal for a request feeds it the whole context: a
+        # one-off cost per request that would make a few timed steps judge it
+        untimed = self.speculative is not None and drafter == "speculative" and any(
+            self.speculative.fresh(s) for s in to_model)
+        if to_model and drafter is not None:
+            self.drafters[drafter].propose(to_model, outputs, forward)
+            for seq in to_model:
+                seq.drafted_by = drafter if seq.draft_token_ids else None
+                self._chosen[drafter if seq.draft_token_ids else "none"] += 1
+        self._last = None if untimed else (began, frozenset(s.seq_id for s in seqs))
 
     def discard(self, seq: Sequence, output: SequenceOutput) -> None:
+        if output.drafted_by == "speculative" and self.speculative is not None:
+            self.speculative.discard(seq, output)
         seq.drafted_by = None
 
     def release_state(self, seq: Sequence) -> None:
         self._choices.pop(seq.seq_id, None)
-        if self.eagle is not None:
-            self.eagle.release_state(seq)
+        for drafter in self.drafters.values():
+            drafter.release_state(seq)
 
     def model_bytes(self) -> int:
-        return self.eagle.model_bytes() if self.eagle is not None else 0
+        return sum(d.model_bytes() for d in self.drafters.values())
 
     def extra_stats(self) -> dict[str, float]:
         out: dict[str, float] = {f"auto_chose_{name}": n for name, n in self._chosen.items()}
@@ -212,8 +249,18 @@ class AutoDecoder(SharedStepDecoder):
         return out
 
 
+def _target_runs_int4(context: DecoderContext) -> bool:
+    """Does the target's first matmul already run the native 4-bit kernel (the speculative
+    draft's own)? Then a 4-bit copy of it as a draft costs a step and saves nothing. An
+    unknown model says yes (auto then loads no draft model for it)."""
+    layers = getattr(context.runner.model, "linear_layers", None)
+    if layers is None:
+        return True
+    return str(getattr(layers()[0].get("qkv"), "kernel", "")).startswith("int4pack_mm")
+
+
 @hookimpl
 def register_decoders(register):
     register("auto", AutoDecoder, options=AutoOptions,
-             description="n-gram where the text copies its context, EAGLE otherwise, plain decoding where "
-                         "neither pays; verified exactly")
+             description="n-gram where the text copies its context, a model draft (EAGLE, or this model in "
+                         "4 bits) otherwise, plain decoding where neither pays; verified exactly")

@@ -104,6 +104,11 @@ class SpeculativeDecoder(SharedStepDecoder):
             self.draft.cache.free(st.shadow)
         self._seq_generators.pop(seq.seq_id, None)
 
+    def fresh(self, seq: Sequence) -> bool:
+        """Whether ``seq`` has no draft state yet: its next proposal first runs its whole
+        context through the draft (``auto`` leaves that step out of its timings)."""
+        return seq.seq_id not in self._states
+
     def draft_probs(self, seq: Sequence, k: int):
         st = self._states.get(seq.seq_id)
         if st is None or st.probs is None or seq.params.greedy:
