@@ -179,8 +179,7 @@ def test_auto_drafts_with_the_model_in_four_bits_where_the_target_is_not(kit_mod
         want = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, decoder="standard"))
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
         assert "speculative" in set().union(*(o.metrics.drafted_by for o in got))
-        stats = llm.engine.stats()
-        assert stats["decoder_auto_chose_speculative"] > 0 and stats["decoder_auto_speculative_ms_per_token"] > 0
+        assert llm.engine.stats()["decoder_auto_chose_speculative"] > 0
         assert llm.engine.cache.stats().num_used_blocks == 0
         assert auto.speculative.draft.cache.stats().num_used_blocks == 0
     # the decoder kit (greedy, sampled chi-square, blocks back) with auto measuring its modes
