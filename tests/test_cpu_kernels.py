@@ -70,6 +70,19 @@ def test_paged_decode_attention_matches_the_torch_path(ops, dtype, tol, heads, k
     assert (got.float() - want.float()).abs().max().item() < tol
 
 
+def _rope_write_attend(qkv, cos, sin, k_cache, v_cache, inp, heads, kv_heads, head_dim, dtype):
+    """What the model does op by op on the torch path for a decode layer: RoPE on q and k,
+    the KV write into ``k_cache`` / ``v_cache``, attention; returns [T, heads * head_dim]."""
+    plain = TorchBackend(TorchBackendOptions(decode_attention="torch"))
+    T, qs = qkv.shape[0], heads * head_dim
+    qk = apply_rope(qkv[:, :qs + kv_heads * head_dim].view(T, -1, head_dim), cos, sin)
+    q, k = qk.split([heads, kv_heads], dim=1)
+    v = qkv[:, qs + kv_heads * head_dim:].view(T, kv_heads, head_dim)
+    meta = plain.prepare(inp)
+    plain.write_kv(k_cache, v_cache, k.to(dtype), v, meta.slot_mapping)
+    return plain.attention(q.to(dtype), None, None, k_cache, v_cache, meta, head_dim**-0.5).reshape(T, qs)
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("head_dim, lens", [(16, [3, 9, 1]), (64, [3, 30, 1, 13])])
 def test_decode_layer_attention_matches_rope_write_and_attend(ops, dtype, tol, head_dim, lens):
@@ -84,15 +97,8 @@ def test_decode_layer_attention_matches_rope_write_and_attend(ops, dtype, tol, h
     sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None, :]
     inp = _decode_inputs(lens, block_size, num_blocks, seed=3)
 
-    plain = TorchBackend(TorchBackendOptions(decode_attention="torch"))
     k_ref, v_ref = (c.clone() for c in caches)
-    T, qs = len(lens), heads * head_dim
-    qk = apply_rope(qkv[:, :qs + kv_heads * head_dim].view(T, -1, head_dim), cos, sin)
-    q, k = qk.split([heads, kv_heads], dim=1)
-    v = qkv[:, qs + kv_heads * head_dim:].view(T, kv_heads, head_dim)
-    meta = plain.prepare(inp)
-    plain.write_kv(k_ref, v_ref, k.to(dtype), v, meta.slot_mapping)
-    want = plain.attention(q.to(dtype), None, None, k_ref, v_ref, meta, head_dim**-0.5).reshape(T, qs)
+    want = _rope_write_attend(qkv, cos, sin, k_ref, v_ref, inp, heads, kv_heads, head_dim, dtype)
 
     fused = TorchBackend(TorchBackendOptions(decode_attention="fused"))
     k_got, v_got = (c.clone() for c in caches)
@@ -170,16 +176,9 @@ def test_decode_layer_attention_writes_eight_bit_pools_as_the_torch_path(ops, st
     sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None, :]
     inp = _decode_inputs(lens, block_size, num_blocks, seed=3)
 
-    plain = TorchBackend(TorchBackendOptions(decode_attention="torch"))
     k_ref, v_ref = _eight_bit_pools(storage, dtype, kv_heads, num_blocks, block_size, head_dim)
     k_got, v_got = (type(p)(p.data.clone(), p.scale.clone(), p.dtype, p.qmax) for p in (k_ref, v_ref))
-    T, qs = len(lens), heads * head_dim
-    qk = apply_rope(qkv[:, :qs + kv_heads * head_dim].view(T, -1, head_dim), cos, sin)
-    q, k = qk.split([heads, kv_heads], dim=1)
-    v = qkv[:, qs + kv_heads * head_dim:].view(T, kv_heads, head_dim)
-    meta = plain.prepare(inp)
-    plain.write_kv(k_ref, v_ref, k.to(dtype), v, meta.slot_mapping)
-    want = plain.attention(q.to(dtype), None, None, k_ref, v_ref, meta, head_dim**-0.5).reshape(T, qs)
+    want = _rope_write_attend(qkv, cos, sin, k_ref, v_ref, inp, heads, kv_heads, head_dim, dtype)
 
     fused = TorchBackend(TorchBackendOptions(decode_attention="fused"))
     got = fused.decode_attention_block(qkv, cos, sin, k_got, v_got, fused.prepare(inp), heads, head_dim**-0.5)

@@ -249,8 +249,8 @@ static void attend(const float* qf, const S* kp, const S* vp, const c10::BFloat1
 // dtype) or 8-bit (int8 or float8_e4m3fn caches, each with its bfloat16 scales [KVH, NB, BS]).
 struct Pools {
   at::Tensor k, v;
-  const c10::BFloat16* ks = nullptr;
-  const c10::BFloat16* vs = nullptr;
+  c10::BFloat16* ks = nullptr;  // (the fused layer writes the new token's scales through them)
+  c10::BFloat16* vs = nullptr;
   at::ScalarType storage;  // the caches' dtype
 
   Pools(const at::Tensor& k_cache, const at::Tensor& v_cache, const c10::optional<at::Tensor>& k_scale,
@@ -417,8 +417,8 @@ inline at::Tensor decode_layer_attention(at::Tensor qkv, at::Tensor cos, at::Ten
           std::copy(vsrc, vsrc + D, vp + slot * D);
         } else {
           rope(xp + b * W + (H + g) * D, cp + b * D, sp + b * D, krow.data());
-          quantize_row(krow.data(), D, kp + slot * D, const_cast<c10::BFloat16*>(pools.ks) + slot);
-          quantize_row(vsrc, D, vp + slot * D, const_cast<c10::BFloat16*>(pools.vs) + slot);
+          quantize_row(krow.data(), D, kp + slot * D, pools.ks + slot);
+          quantize_row(vsrc, D, vp + slot * D, pools.vs + slot);
         }
       }
     }
