@@ -173,7 +173,7 @@ def calibrate(llm, recorder, opts: dict) -> dict:
                     if s.num_prefill_tokens == 0)
     return {"chunk_ms": chunk_ms, "chunk_tokens": chunk, "prefill_ms": prefill, "prefill_tokens": n_pre,
             "decode_ms": decode, "decode_seqs": lanes + 2, "decode_context": opts["batch_prompt_len"][0],
-            "ttft_ms": float(round(chunk_ms, -1)), "tpot_ms": float(round(3 * decode))}
+            "ttft_ms": 10.0 * math.ceil(chunk_ms / 10), "tpot_ms": float(math.ceil(3 * decode))}
 
 
 def run_scheduler(scheduler: str, opts: dict, config_file: str | None, flags: dict) -> dict:
