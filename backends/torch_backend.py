@@ -41,7 +41,13 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
-from tokenloom.backends.torch_linear import Int4Linear, Int8Linear, pack, step_linear
+from tokenloom.backends.torch_linear import (
+    Int4Linear,
+    Int8Linear,
+    QuantMatmulLinear,
+    pack,
+    step_linear,
+)
 from tokenloom.core.attention import AttentionInputs, apply_rope
 from tokenloom.core.hookspecs import hookimpl
 from tokenloom.core.interfaces import DecodeModel
@@ -60,6 +66,11 @@ class TorchBackendOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
     # 8-bit weights with per-group scales (GGUF Q8_0) are re-quantised to one scale per row so
     # the int8 kernel can run them (a second rounding); false dequantises them instead.
     int8_regroup: bool = True
+    # Quantised matmuls on CPU: "cpp" runs 4-bit and symmetric 8-bit weights through the C++
+    # quant_matmul (kernels/csrc/quant_matmul.h: float32 activations, the stored groups, rows
+    # at a fraction of a first row's cost); "torch" through torch's int4pack / int8pack
+    # kernels (bfloat16 activations); "auto" takes cpp where it builds, else torch.
+    quant_kernel: str = "auto"
     # Decode attention on CPU: "fused" reads the KV blocks in place with one C++ op
     # (kernels/cpu_ops.py, built on first use); "torch" gathers each context with
     # torch ops; "auto" takes fused where it builds, else torch.
@@ -196,6 +207,20 @@ class TorchBackend:
                 raise ConfigError("backend.decode_attention = fused, but the C++ op could not be built: "
                                   f"{cpu_ops.unavailable_reason()}")
         self.decode_attention = "fused" if self.fused_decode is not None else "torch"
+        if options.quant_kernel not in ("auto", "cpp", "torch"):
+            from tokenloom.core.errors import ConfigError
+
+            raise ConfigError(f"backend.quant_kernel must be auto, cpp or torch, got {options.quant_kernel!r}")
+        self.quant_ops = None  # the C++ ops whose quant_matmul runs quantised weights, when in use
+        if options.quant_kernel != "torch" and self.device.type == "cpu":
+            from tokenloom.kernels import cpu_ops
+
+            self.quant_ops = cpu_ops.load()
+            if self.quant_ops is None and options.quant_kernel == "cpp":
+                from tokenloom.core.errors import ConfigError
+
+                raise ConfigError("backend.quant_kernel = cpp, but the C++ ops could not be built: "
+                                  f"{cpu_ops.unavailable_reason()}")
         self.batch_invariant = options.batch_invariant
         if self.batch_invariant:
             self._check_batch_invariant(options)
@@ -510,8 +535,8 @@ class TorchBackend:
         """Called once per matmul at load time: the LinearWeight this machine computes it
         with (backends/torch_linear.py says which kernel for which spec)."""
         lw = pack(spec, dtype, cpu_linear=self.cpu_linear, quant_max_rows=self.quant_max_rows,
-                  int8_regroup=self.int8_regroup)
-        if self.batch_invariant and not isinstance(lw, (Int4Linear, Int8Linear)):
+                  int8_regroup=self.int8_regroup, quant_ops=self.quant_ops)
+        if self.batch_invariant and not isinstance(lw, (Int4Linear, Int8Linear, QuantMatmulLinear)):
             from tokenloom.core.errors import ConfigError
 
             raise ConfigError(f"batch_invariant: a {lw.out_features}x{lw.in_features} matmul would run "

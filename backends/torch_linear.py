@@ -10,16 +10,21 @@ Which kernel runs depends on the spec, the device and the batch:
   Zen 5, because ``F.linear`` re-lays the weight out on every call (the 49152-row head at 32
   rows: 3.2 ms against 6.3 ms); ``cpu_linear = "mkl"`` keeps ``F.linear``;
 - dense fp16, bf16 elsewhere, or any dense weight on CUDA: ``F.linear``;
-- 4-bit group-quantised (GGUF Q4_0/Q4_1, RTN, GPTQ, AWQ) on CPU:
-  ``torch._weight_int4pack_mm_for_cpu`` with bf16 activations (it has no fast fp32 path);
-  above ``quant_max_rows`` rows (both quantised kernels) a dense copy in the engine dtype,
+- 4-bit group-quantised (GGUF Q4_0/Q4_1, RTN, GPTQ, AWQ) and symmetric 8-bit (per channel or
+  in groups: GGUF Q8_0, SmolLM2's tied embedding and head) on CPU: the C++ ``quant_matmul``
+  (``QuantMatmulLinear``; float32 activations and sums, one pass over the codes for all rows,
+  each row's result independent of the others) where the C++ ops build and the weight fits
+  (``QuantMatmulLinear.fits``); ``quant_kernel = "torch"`` or a weight it does not take goes
+  to torch's kernels below;
+- otherwise 4-bit: ``torch._weight_int4pack_mm_for_cpu`` with bf16 activations (it has no
+  fast fp32 path); 8-bit per-channel symmetric: ``torch._weight_int8pack_mm`` (bf16
+  activations); 8-bit with finer groups: with ``int8_regroup`` (default) re-quantised to one
+  scale per row for that kernel — a second rounding, of at most half an int8 step of the
+  row's range; without, dequantised;
+- above ``quant_max_rows`` rows (every quantised kernel) a dense copy in the engine dtype,
   kept beside the quantised one, is used instead: the kernels are built for few rows.
   ``quant_max_rows = -1`` (the default) measures where that crossing lies on this machine,
   per weight shape, at load (``_tuned``; `tokenloom bench kernels` prints the timings);
-- 8-bit per-channel symmetric on CPU: ``torch._weight_int8pack_mm`` (bf16 activations);
-- 8-bit with finer groups (GGUF Q8_0: SmolLM2's tied embedding and head) on CPU: with
-  ``int8_regroup`` (default) re-quantised to one scale per row for that kernel — a second
-  rounding, of at most half an int8 step of the row's range; without, dequantised;
 - anything else (fp8, quantised specs on CUDA): dequantised once at load to the engine
   dtype — the kernel name says so.
 """
@@ -134,6 +139,73 @@ class Int4Linear(_QuantisedLinear):
         return self._nbytes
 
 
+class QuantMatmulLinear(_QuantisedLinear):
+    """4-bit codes, or symmetric 8-bit ones, with their per-group scales as stored, for the C++
+    ``quant_matmul`` (kernels/csrc/quant_matmul.h): activations in float32 whatever the
+    engine dtype, float32 scales, one pass over the codes for all rows (each row's result is
+    the same whatever the rows beside it). Layouts: 16 output columns side by side, so a
+    16-byte load feeds 16 accumulators."""
+
+    __slots__ = ("codes", "sm", "bits", "group_size", "out_features", "in_features", "dense", "max_rows", "kernel",
+                 "_op", "_nbytes")
+
+    def __init__(self, qw: QuantizedWeight, op, max_rows: int, dense):
+        self.out_features, self.in_features = out, inp = qw.shape
+        self.bits, self.group_size, self._op = qw.bits, qw.group_size, op
+        groups = inp // qw.group_size
+        scales = qw.scales.to(torch.float32)
+        if qw.bits == 4:
+            c = qw.codes.contiguous().view(out // 16, 16, inp // 2, 2)
+            self.codes = (c[..., 0] | (c[..., 1] << 4)).permute(0, 2, 1).contiguous()
+            offsets = -qw.zeros.to(torch.float32) * scales
+            sm = torch.stack([scales.view(out // 16, 16, groups), offsets.view(out // 16, 16, groups)], dim=1)
+            self.sm = sm.permute(0, 3, 1, 2).to(torch.float16).contiguous()  # [out/16, groups, 2, 16]
+        else:
+            signed = (qw.codes.to(torch.int16) - 128).to(torch.int8)
+            self.codes = signed.contiguous().view(out // 16, 16, inp).permute(0, 2, 1).contiguous()
+            self.sm = scales.view(out // 16, 16, groups).permute(0, 2, 1).to(torch.float16).contiguous()  # [out/16, groups, 16]
+        self.max_rows, self.dense = max_rows, dense
+        self._nbytes = qw.nbytes()
+        self.kernel = f"quant_matmul int{qw.bits} g{qw.group_size} (float32)" + (
+            f" / dense above {max_rows} rows" if dense is not None else "")
+
+    @staticmethod
+    def fits(qw: QuantizedWeight) -> bool:
+        """Whether the kernel takes ``qw``: 4-bit, or 8-bit with every zero point 128 (a signed
+        code), in groups that divide the rows (even, unless one group a row), 16 | out."""
+        out, inp = qw.shape
+        if qw.g_idx is not None or out % 16 or inp % qw.group_size:
+            return False
+        if qw.bits == 4:
+            shape_fits = qw.group_size % 2 == 0
+        else:
+            shape_fits = qw.bits == 8 and (qw.group_size % 2 == 0 or qw.group_size == inp) and bool(
+                (qw.zeros == 128).all())
+        return shape_fits and _float16_normal(qw.scales) and (qw.bits == 8 or _float16_normal(qw.zeros * qw.scales))
+
+    def quantised(self, x2: torch.Tensor) -> torch.Tensor:
+        """The kernel itself on ``x2 [rows, in]``, whatever the row count (out in x2's dtype)."""
+        return self._op(x2, self.codes, self.sm, self.bits, self.group_size)
+
+    def apply_float32(self, x: torch.Tensor) -> torch.Tensor:
+        """``apply(x)`` in float32: where the kernel runs, its float32 sums unrounded (x is
+        widened first, exactly); above ``max_rows`` the dense copy's result, widened."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.dense is not None and x2.shape[0] > self.max_rows:
+            return self.dense.apply(x).float()
+        return self.quantised(x2.float()).view(*x.shape[:-1], self.out_features)
+
+    def nbytes(self) -> int:
+        return self._nbytes
+
+
+def _float16_normal(t: torch.Tensor) -> bool:
+    """Every nonzero value in float16's normal range (where it keeps 11 significant bits)."""
+    a = t.abs().float()
+    nonzero = a[a > 0]
+    return bool(nonzero.numel() == 0 or (nonzero.max() <= 65504 and nonzero.min() >= 2.0 ** -14))
+
+
 class Int8Linear(_QuantisedLinear):
     """Symmetric 8-bit per output channel for torch's CPU int8 weight-only kernel."""
 
@@ -169,14 +241,21 @@ def per_channel_int8(qw: QuantizedWeight) -> QuantizedWeight:
                            group_size=w.shape[1])
 
 
-def pack(spec: WeightSpec, dtype: torch.dtype, *, cpu_linear: str, quant_max_rows: int, int8_regroup: bool = True):
-    """The torch backend's choice of LinearWeight for ``spec`` (see the module docstring)."""
+def pack(spec: WeightSpec, dtype: torch.dtype, *, cpu_linear: str, quant_max_rows: int, int8_regroup: bool = True,
+         quant_ops=None):
+    """The torch backend's choice of LinearWeight for ``spec`` (see the module docstring);
+    ``quant_ops``: the C++ ops module whose ``quant_matmul`` takes the quantised weights it
+    fits, or None for torch's kernels."""
     cpu = (spec.device if isinstance(spec, torch.Tensor) else _device(spec)).type == "cpu"
     if isinstance(spec, QuantizedWeight) and cpu and spec.g_idx is None:
         out, inp = spec.shape
 
         def dense():  # the copy used above quant_max_rows, built only for a quantised kernel
             return _dense(spec.dequantize(dtype), cpu_linear, "") if quant_max_rows != 0 else None
+
+        if quant_ops is not None and QuantMatmulLinear.fits(spec):
+            return _tuned(QuantMatmulLinear(spec, quant_ops.quant_matmul, quant_max_rows, dense()), quant_max_rows,
+                          ("quant_matmul", f"int{spec.bits}", f"g{spec.group_size}"), dtype)
 
         if spec.bits == 4 and spec.group_size in INT4_GROUP_SIZES and inp % spec.group_size == 0 and out % 16 == 0:
             return _tuned(Int4Linear(spec, quant_max_rows, dense()), quant_max_rows, ("int4", spec.group_size), dtype)
@@ -296,12 +375,14 @@ def step_linear(lw, ops):
     if isinstance(lw, PackedLinear):
         return ops.StepLinear(3, lw.wt if lw.wt is not None else none, lw.onednn if lw.onednn is not None else none,
                               0, lw.max_rows, None)
-    if isinstance(lw, (Int4Linear, Int8Linear)):
+    if isinstance(lw, (Int4Linear, Int8Linear, QuantMatmulLinear)):
         dense = None
         if lw.dense is not None:
             dense = step_linear(lw.dense, ops)
             if dense is None:
                 return None
+        if isinstance(lw, QuantMatmulLinear):  # (kinds 4 and 8: the bits)
+            return ops.StepLinear(lw.bits, lw.codes, lw.sm, lw.group_size, lw.max_rows, dense)
         if isinstance(lw, Int4Linear):
             return ops.StepLinear(1, lw.packed, lw.scales_zeros, lw.group_size, lw.max_rows, dense)
         return ops.StepLinear(2, lw.weight, lw.scales, 0, lw.max_rows, dense)

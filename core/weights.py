@@ -206,6 +206,15 @@ class LinearWeight(Protocol):
         """Weight bytes one call reads (one layout)."""
 
 
+def apply_float32(lw: LinearWeight, x: torch.Tensor) -> torch.Tensor:
+    """``lw.apply(x)`` as float32. A weight whose kernel accumulates in float32 may offer
+    ``apply_float32(x)`` to hand that result over unrounded (the output head: a bfloat16
+    logit of magnitude 16-32 is a multiple of 0.125, so rounding makes ties of near-ties);
+    any other is applied and widened."""
+    fn = getattr(lw, "apply_float32", None)
+    return fn(x) if fn is not None else lw.apply(x).float()
+
+
 class LowRankStep:
     """Which rows of the current step run under which low-rank adapter: one object shared by
     every :class:`LowRankUpdated` matmul of a model (an adapter manager sets it before a step

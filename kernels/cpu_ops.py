@@ -1,5 +1,5 @@
-"""C++ ops for CPUs: decode attention that reads the KV blocks where they lie, and the
-residual add fused with RMSNorm. (A SwiGLU silu * up measured 2-6x slower than torch's two
+"""C++ ops for CPUs: decode attention that reads the KV blocks where they lie, matmuls over
+quantised weights, and the residual add fused with RMSNorm. (A SwiGLU silu * up measured 2-6x slower than torch's two
 vectorised ops, so there is none.)
 
 The torch path (``TorchBackend._decode``) gathers every sequence's padded context into a
@@ -14,6 +14,9 @@ The C++ lives in ``kernels/csrc/`` (shipped as package data):
   KV write and that attention for one layer, from its fused qkv projection); the first (and
   ``slot_attention``) also take a sliding ``window`` (keys before ``context_len - window``
   skipped) and a score ``softcap``, 0 for none;
+- ``quant_matmul.h``: ``quant_matmul``, few-row matmuls over 4-bit and symmetric 8-bit
+  weights in their stored groups (float32 activations and sums; backends/torch_linear.py
+  ``QuantMatmulLinear`` packs the weights for it);
 - ``rms_norm.h``: ``add_rms_norm``, the residual add fused with RMSNorm;
 - ``common.h``: the row-to-float32 conversion both use;
 - ``cpu_ops.cpp``: the captured decode step (``StepLinear``, ``DecodeStep``), which calls
@@ -98,7 +101,7 @@ def _put_ninja_on_path() -> None:
 
 def load():
     """The compiled module (``paged_decode_attention``, ``decode_layer_attention``,
-    ``add_rms_norm``, ``StepLinear``, ``DecodeStep``, ``simd_path``), built on the first
+    ``quant_matmul``, ``add_rms_norm``, ``StepLinear``, ``DecodeStep``, ``simd_path``), built on the first
     call, or None (the reason logged once, then :func:`unavailable_reason`) where it cannot
     be built."""
     with _lock:

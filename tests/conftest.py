@@ -245,3 +245,13 @@ async def engine_stats(engine) -> dict:
     """The engine's current stats, wherever its core runs (in this process or its own)."""
     await engine.refresh_stats()
     return engine.stats()
+
+
+def quant_kernel(bits: int) -> str:
+    """The kernel-name prefix a 4- or 8-bit weight gets on this machine: the C++
+    ``quant_matmul`` where the CPU ops build, torch's int4pack / int8pack kernels otherwise."""
+    from tokenloom.kernels import cpu_ops
+
+    if cpu_ops.load() is not None:
+        return f"quant_matmul int{bits}"
+    return "int4pack_mm" if bits == 4 else "int8pack_mm"

@@ -1,5 +1,6 @@
-"""The fused CPU decode attention (kernels/cpu_ops.py) against the torch path it
-replaces: at odd shapes, op by op, and as greedy outputs of a whole engine."""
+"""The C++ CPU ops (kernels/cpu_ops.py) against what they replace: the fused decode
+attention against the torch path, at odd shapes, op by op, and as greedy outputs of a whole
+engine; quant_matmul against the dequantised matmul."""
 
 from __future__ import annotations
 
@@ -265,6 +266,86 @@ def _cpu_has(flag: str) -> bool:
             return any(line.startswith("flags") and f" {flag}" in line for line in f)
     except OSError:
         return False
+
+
+def _quantized(out: int, inp: int, bits: int, group: int, seed: int = 0):
+    """A random QuantizedWeight whose scales and scale * zero products are float16 values (as
+    GGUF stores them), so the kernel's float16 copies hold them exactly."""
+    from tokenloom.core.weights import QuantizedWeight
+
+    g = torch.Generator().manual_seed(seed)
+    groups = inp // group
+    codes = torch.randint(0, 2 ** bits, (out, inp), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(out, groups, generator=g) * 0.05 + 1e-3).half().float()
+    if bits == 8:
+        zeros = torch.full((out, groups), 128.0)
+    else:  # offsets -zero * scale in float16 (GGUF Q4_1's m): zero = -offset / scale
+        offsets = (torch.randn(out, groups, generator=g) * 0.1).half().float()
+        zeros = -offsets / scales
+    return QuantizedWeight(codes=codes, scales=scales, zeros=zeros, bits=bits, group_size=group)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("bits, out, inp, group", [(4, 48, 64, 32), (4, 32, 96, 96), (4, 16, 256, 128),
+                                                   (8, 48, 64, 32), (8, 32, 33, 33), (8, 16, 40, 40)])
+def test_quant_matmul_matches_the_dequantised_matmul(ops, dtype, tol, bits, out, inp, group):
+    from tokenloom.backends.torch_linear import QuantMatmulLinear
+
+    qw = _quantized(out, inp, bits, group)
+    assert QuantMatmulLinear.fits(qw)
+    lw = QuantMatmulLinear(qw, ops.quant_matmul, 0, None)
+    w = qw.dequantize(torch.float64)
+    for rows in (1, 3, 8, 9, 17):
+        x = torch.randn(rows, inp, dtype=torch.float32).to(dtype)
+        ref = x.double() @ w.t()
+        y = lw.apply(x)
+        assert y.dtype == dtype and y.shape == (rows, out)
+        err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < tol, (rows, err)
+        y32 = lw.apply_float32(x)  # the float32 sums, unrounded
+        assert y32.dtype == torch.float32
+        assert ((y32.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_rows_quant_matmul_result_does_not_depend_on_the_rows_beside_it(ops, dtype, bits):
+    """Rows are taken in chunks of up to 8 (4 without AVX-512), each row's arithmetic the same
+    in any chunk: alone or among 21 other rows, a row's output is bit-identical."""
+    from tokenloom.backends.torch_linear import QuantMatmulLinear
+
+    lw = QuantMatmulLinear(_quantized(64, 128, bits, 32, seed=3), ops.quant_matmul, 0, None)
+    x = torch.randn(22, 128).to(dtype)
+    together = lw.apply(x)
+    for r in range(22):
+        assert torch.equal(lw.apply(x[r:r + 1])[0], together[r]), r
+    assert torch.equal(lw.apply(x[5:14]), together[5:14])
+
+
+def test_pack_gives_quant_matmul_what_fits_and_torch_the_rest(ops):
+    from tokenloom.backends.torch_linear import Int4Linear, QuantMatmulLinear, pack
+    from tokenloom.core.weights import QuantizedWeight
+
+    def packed(qw):
+        return pack(qw, torch.bfloat16, cpu_linear="mkl", quant_max_rows=0, quant_ops=ops)
+
+    assert isinstance(packed(_quantized(64, 128, 4, 32)), QuantMatmulLinear)
+    assert isinstance(packed(_quantized(64, 128, 8, 32)), QuantMatmulLinear)  # GGUF Q8_0: no re-grouping
+    assert "quant_matmul" not in packed(_quantized(24, 128, 4, 32)).kernel  # 16 does not divide out
+    act_order = _quantized(64, 128, 4, 32)
+    act_order = QuantizedWeight(codes=act_order.codes, scales=act_order.scales, zeros=act_order.zeros, bits=4,
+                                group_size=32, g_idx=torch.randperm(128).to(torch.int32) // 32)
+    assert "quant_matmul" not in packed(act_order).kernel
+    asymmetric = _quantized(64, 128, 8, 32)
+    asymmetric = QuantizedWeight(codes=asymmetric.codes, scales=asymmetric.scales,
+                                 zeros=asymmetric.zeros - 3, bits=8, group_size=32)
+    assert "quant_matmul" not in packed(asymmetric).kernel
+    huge = _quantized(64, 128, 4, 32)
+    huge = QuantizedWeight(codes=huge.codes, scales=huge.scales * 1e6, zeros=huge.zeros, bits=4, group_size=32)
+    assert isinstance(packed(huge), Int4Linear)  # scales past float16's range: torch's kernel
+    # quant_kernel = torch keeps torch's kernels
+    assert isinstance(pack(_quantized(64, 128, 4, 32), torch.bfloat16, cpu_linear="mkl", quant_max_rows=0),
+                      Int4Linear)
 
 
 def test_the_build_has_the_paths_its_flags_allow(ops):

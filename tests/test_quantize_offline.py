@@ -22,7 +22,7 @@ from tokenloom.plugins.quantizers.offline import (
     save_hf_dir,
 )
 
-from conftest import tiny_engine_kwargs
+from conftest import quant_kernel, tiny_engine_kwargs
 
 # tiny-model engines: one torch thread (conftest.one_thread)
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -52,12 +52,13 @@ def _quantize(tiny_model_dir, out, method, **kw):
 
 
 @pytest.mark.parametrize("method, rounding, kernel, quant_method", [
-    ("gptq", "gptq", "int4pack_mm", "gptq"), ("awq", "nearest", "int4pack_mm", "awq"),
-    ("rtn", "nearest", "int4pack_mm", "gptq"), ("int8", "gptq", "int8pack_mm", "gptq"),
-    ("int8", "nearest", "int8pack_mm", "gptq"), ("fp8", "gptq", "dequantised fp8", "fp8"),
+    ("gptq", "gptq", 4, "gptq"), ("awq", "nearest", 4, "awq"),
+    ("rtn", "nearest", 4, "gptq"), ("int8", "gptq", 8, "gptq"),
+    ("int8", "nearest", 8, "gptq"), ("fp8", "gptq", "dequantised fp8", "fp8"),
     ("fp8", "nearest", "dequantised fp8", "fp8")])
 def test_written_checkpoints_load_with_their_own_method(tiny_model_dir, tmp_path, method, rounding, kernel,
                                                         quant_method):
+    kernel = quant_kernel(kernel) if isinstance(kernel, int) else kernel
     out = tmp_path / method
     _quantize(tiny_model_dir, out, method, group_size=32, rounding=rounding)
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]

@@ -1,8 +1,10 @@
-// What the attention and the norm both use: a row of any float dtype to float32.
+// What the attention, the quantised matmul and the norm use: a row of any float dtype to
+// float32.
 //
-// The C++ of kernels/cpu_ops.py: these headers (common.h, attention.h, rms_norm.h) hold the
-// ops and are included by cpu_ops.cpp, the one translation unit (torch's headers cost most
-// of the ~30 s build, so the ops are compiled together rather than each on its own).
+// The C++ of kernels/cpu_ops.py: these headers (common.h, attention.h, quant_matmul.h,
+// rms_norm.h) hold the ops and are included by cpu_ops.cpp, the one translation unit
+// (torch's headers cost most of the ~30 s build, so the ops are compiled together rather
+// than each on its own).
 #pragma once
 
 #include <ATen/ATen.h>

@@ -7,6 +7,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include "attention.h"
+#include "quant_matmul.h"
 #include "rms_norm.h"
 
 #include <memory>
@@ -41,11 +42,12 @@ struct LoraStep {
 
 // One matmul as the backend packed it (backends/torch_linear.py), mirrored kind by kind.
 struct StepLinear {
-  enum Kind : int64_t { DENSE = 0, INT4 = 1, INT8 = 2, FP32_PACKED = 3 };
+  enum Kind : int64_t { DENSE = 0, INT4 = 1, INT8 = 2, FP32_PACKED = 3, QMM4 = 4, QMM8 = 8 };
   int64_t kind;
   at::Tensor a, b;  // DENSE: weight; INT4: packed, scales_zeros; INT8: weight, scales;
-                    // FP32_PACKED: [in, out] copy for MKL (or undefined), oneDNN-packed (or undefined)
-  int64_t group;     // INT4 group size
+                    // FP32_PACKED: [in, out] copy for MKL (or undefined), oneDNN-packed (or undefined);
+                    // QMM4 / QMM8: quant_matmul's codes and scales
+  int64_t group;     // INT4 / QMM4 group size
   int64_t max_rows;  // quantised: their kernel up to this many rows, `dense` above; FP32: MKL up to, oneDNN above
   std::shared_ptr<StepLinear> dense;
 
@@ -104,6 +106,7 @@ struct StepLinear {
       return onednn_linear(x, b);
     }
     if (dense && rows > max_rows) return dense->apply(x);
+    if (kind == QMM4 || kind == QMM8) return quant_matmul(x, a, b, kind, group);
     const bool bf16 = x.scalar_type() == at::kBFloat16;
     const at::Tensor xb = bf16 ? x : x.to(at::kBFloat16);
     at::Tensor y = kind == INT4 ? at::_weight_int4pack_mm_for_cpu(xb, a, group, b) : at::_weight_int8pack_mm(xb, a, b);
@@ -237,6 +240,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slot_rows"), py::arg("q_row"), py::arg("q_len"), py::arg("scale"), py::arg("window") = 0,
         py::arg("softcap") = 0.0);
   m.def("silu_mul", &silu_mul);
+  m.def("quant_matmul", &quant_matmul, py::arg("x"), py::arg("codes"), py::arg("sm"), py::arg("bits"),
+        py::arg("group"));
   py::class_<LoraStep, std::shared_ptr<LoraStep>>(m, "LoraStep")
       .def(py::init<>())
       .def("set", &LoraStep::set)

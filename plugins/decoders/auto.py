@@ -256,7 +256,7 @@ def _target_runs_int4(context: DecoderContext) -> bool:
     layers = getattr(context.runner.model, "linear_layers", None)
     if layers is None:
         return True
-    return str(getattr(layers()[0].get("qkv"), "kernel", "")).startswith("int4pack_mm")
+    return str(getattr(layers()[0].get("qkv"), "kernel", "")).startswith(("int4pack_mm", "quant_matmul int4"))
 
 
 @hookimpl

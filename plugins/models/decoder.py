@@ -27,6 +27,7 @@ from tokenloom.core.weights import (
     CheckpointTensors,
     LinearSlot,
     LinearWeight,
+    apply_float32,
     dense_tensor,
     spec_to,
 )
@@ -296,7 +297,7 @@ class DecoderModel(nn.Module):
         return logits
 
     def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.apply(x.to(self.dtype)).float()
+        return apply_float32(self.lm_head, x.to(self.dtype))
 
     def linear_layers(self) -> list[dict[str, LinearWeight]]:
         return [{"qkv": layer.qkv, "o": layer.o, **layer.mlp.linears()} for layer in self.decoder_layers]
