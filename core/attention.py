@@ -29,9 +29,16 @@ class PrefillSpan:
 
 @dataclass(slots=True)
 class AttentionInputs:
+    """One step's attention work. A decode row is one query that attends to the first
+    ``decode_context_lens[i]`` tokens of its block table, itself last. Decode rows may share a
+    block table: a sequence's last token and its draft chain are verified as consecutive
+    decode rows, row j seeing the context up to and including draft j (each a plain decode
+    row would, token for token). So a backend writes every new token's KV
+    (``slot_mapping``) before any row of the step attends."""
+
     slot_mapping: torch.Tensor  # [T] int64: flat KV slot of each new token
     block_size: int
-    decode_rows: list[int] = field(default_factory=list)  # rows of single-token sequences
+    decode_rows: list[int] = field(default_factory=list)  # rows of one query each (see above)
     decode_context_lens: list[int] = field(default_factory=list)
     decode_block_tables: list[list[int]] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)

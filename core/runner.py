@@ -169,11 +169,15 @@ class ModelRunner:
             # a tree node sits at the position of its depth; its KV in lookahead slot end + i
             positions.extend(range(end, end + k) if parents is None else (end - 1 + d for d in draft_depths(parents)))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end + k))
-            if n == 1 and k == 0 and start > 0:
-                attn.decode_rows.append(row)
-                attn.decode_context_lens.append(end)
-                attn.decode_block_tables.append(table)
-            else:  # a prompt chunk, or a last token and its drafts: causal over the context
+            if n == 1 and start > 0 and (k == 0 or parents is None):
+                # a decode row, or a last token and its draft chain: k + 1 decode rows over one
+                # block table, row j seeing the context up to draft j, as plain decode steps would
+                # (and as one: the captured step, the decode attention op, its kernels)
+                for j in range(k + 1):
+                    attn.decode_rows.append(row + j)
+                    attn.decode_context_lens.append(end + j)
+                    attn.decode_block_tables.append(table)
+            else:  # a prompt chunk, its drafts, or a draft tree: causal over the context
                 attn.prefills.append(PrefillSpan(row, row + n + k, end + k, table, parents if k else None))
             if end == seq.num_tokens:  # reached the end: this sequence samples (and verifies its drafts)
                 sample_rows.extend(range(row + n - 1, row + n + k))

@@ -440,6 +440,47 @@ def test_tree_attention_scores_each_node_as_its_own_branch(make_llm):
     cache.free(seq)
 
 
+@pytest.mark.parametrize("quantizer", ["none", "rtn"])
+def test_a_draft_chain_is_verified_as_decode_rows(make_llm, quantizer):
+    """A last token and its draft chain go through the step as decode rows sharing the
+    sequence's block table (the captured step and the decode attention op take them), and
+    each row's logits are those of a plain decode step at that position."""
+    from tokenloom.core.sequence import Batch
+
+    llm = make_llm(num_kv_blocks=64, block_size=4, quantizer=quantizer)
+    runner, cache = llm.engine.runner, llm.engine.cache
+    prompt, drafts = [5, 9, 33, 70, 12, 8, 90], [40, 41, 42, 43, 44]
+    seq = Sequence("chain", list(prompt), SamplingParams(max_tokens=20))
+    assert cache.allocate(seq, len(prompt) - 1)
+    runner.forward(Batch([seq], [len(prompt) - 1], [cache.block_table(seq)]))
+    seq.num_computed_tokens = len(prompt) - 1
+    assert cache.allocate(seq, 1, num_lookahead=len(drafts))
+    batch = Batch([seq], [1], [cache.block_table(seq)], draft_tokens=[drafts])
+    plan = runner.plan(batch)[0]
+    assert not plan.attn.prefills and plan.attn.decode_rows == list(range(len(drafts) + 1))
+    end = len(prompt)
+    assert plan.attn.decode_context_lens == list(range(end, end + len(drafts) + 1))
+    steps = runner.model.captured.steps if runner.model.captured is not None else None
+    out = runner.forward(batch)
+    if steps is not None:
+        assert runner.model.captured.steps == steps + 1  # the verification ran as the captured step
+    assert out.num_rows == [len(drafts) + 1]
+    # the same tokens one plain decode step at a time, in a sequence of their own
+    ref = Sequence("plain", list(prompt), SamplingParams(max_tokens=20))
+    assert cache.allocate(ref, len(prompt) - 1)
+    runner.forward(Batch([ref], [len(prompt) - 1], [cache.block_table(ref)]))
+    ref.num_computed_tokens = len(prompt) - 1
+    for row, token in enumerate([None, *drafts]):
+        if token is not None:
+            ref.append_token(token)
+        assert cache.allocate(ref, 1)
+        want = runner.forward(Batch([ref], [1], [cache.block_table(ref)])).logits[0]
+        ref.num_computed_tokens += 1
+        torch.testing.assert_close(out.logits[row], want, rtol=1e-4, atol=1e-4)
+    cache.free(ref)
+    cache.free(seq)
+
+
 def test_accepted_tree_branch_kv_moves_into_place(make_llm):
     """After a step that accepts a branch of a tree, decoding on gives the tokens (and the
     logits) of plain greedy decoding: the branch's KV sits at the right positions."""
