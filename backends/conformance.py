@@ -224,7 +224,7 @@ class _Kit:
         H, KVH, D, bs = case.num_heads, case.num_kv_heads, case.head_dim, case.block_size
         extra = KV8_ATOL[kv_dtype]
         seqs = [(n, 1) for n in case.decode_context_lens] + [(n, q) for q, n in case.prefills]
-        need = [(n + 1 + bs - 1) // bs for n, _ in seqs]  # room for the decode step's token
+        need = [(n + 4 + bs - 1) // bs for n, _ in seqs]  # room for the decode step's token and a draft chain
         num_blocks = sum(need) + 4
         perm = torch.randperm(num_blocks, generator=self.gen).tolist()
         tables, spare = [], perm[sum(need):]
@@ -275,6 +275,17 @@ class _Kit:
                                   block_size=bs, decode_rows=list(range(len(decodes))), decode_context_lens=lens,
                                   decode_block_tables=[tables[i] for i in decodes])
             self.decode_block(where, inp, pools, lens, case, dtype, extra)
+
+            # 3b. a draft chain: one sequence's next three tokens as decode rows sharing its
+            # block table (core/attention.py AttentionInputs): every row's KV is written before
+            # any row attends, row j seeing the context up to itself
+            first = decodes[0]
+            chain = [lens[0] + 1 + j for j in range(3)]
+            inp = AttentionInputs(slot_mapping=torch.tensor(slots(first, [n - 1 for n in chain]), dtype=torch.long,
+                                                            device=self.device),
+                                  block_size=bs, decode_rows=[0, 1, 2], decode_context_lens=chain,
+                                  decode_block_tables=[tables[first]] * 3)
+            self.decode_block(f"{where}; a draft chain as decode rows", inp, pools, chain, case, dtype, extra)
 
         # 4. copy_blocks and move_kv_slots, read back through attention
         self.copies(where, case, pools, seqs, tables, spare, dtype, extra)

@@ -141,10 +141,11 @@ class Int4Linear(_QuantisedLinear):
 
 class QuantMatmulLinear(_QuantisedLinear):
     """4-bit codes, or symmetric 8-bit ones, with their per-group scales as stored, for the C++
-    ``quant_matmul`` (kernels/csrc/quant_matmul.h): activations in float32 whatever the
-    engine dtype, float32 scales, one pass over the codes for all rows (each row's result is
-    the same whatever the rows beside it). Layouts: 16 output columns side by side, so a
-    16-byte load feeds 16 accumulators."""
+    ``quant_matmul`` (kernels/csrc/quant_matmul.h): activations and sums in float32 whatever
+    the engine dtype, the scales (and 4-bit offsets, -zero * scale) in float16 (exact for
+    GGUF's, rounded to 11 significant bits for a float32 quantizer's), one pass over the codes
+    for all rows (each row's result is the same whatever the rows beside it). Layouts: 16
+    output columns side by side, so a 16-byte load feeds 16 accumulators."""
 
     __slots__ = ("codes", "sm", "bits", "group_size", "out_features", "in_features", "dense", "max_rows", "kernel",
                  "_op", "_nbytes")
@@ -166,13 +167,14 @@ class QuantMatmulLinear(_QuantisedLinear):
             self.sm = scales.view(out // 16, 16, groups).permute(0, 2, 1).to(torch.float16).contiguous()  # [out/16, groups, 16]
         self.max_rows, self.dense = max_rows, dense
         self._nbytes = qw.nbytes()
-        self.kernel = f"quant_matmul int{qw.bits} g{qw.group_size} (float32)" + (
+        self.kernel = f"quant_matmul int{qw.bits} g{qw.group_size} (float32 sums)" + (
             f" / dense above {max_rows} rows" if dense is not None else "")
 
     @staticmethod
     def fits(qw: QuantizedWeight) -> bool:
         """Whether the kernel takes ``qw``: 4-bit, or 8-bit with every zero point 128 (a signed
-        code), in groups that divide the rows (even, unless one group a row), 16 | out."""
+        code), in groups that divide the rows (even, unless one group a row), 16 | out, with
+        scales (and offsets) that float16 holds (:func:`_float16_holds`)."""
         out, inp = qw.shape
         if qw.g_idx is not None or out % 16 or inp % qw.group_size:
             return False
@@ -181,7 +183,7 @@ class QuantMatmulLinear(_QuantisedLinear):
         else:
             shape_fits = qw.bits == 8 and (qw.group_size % 2 == 0 or qw.group_size == inp) and bool(
                 (qw.zeros == 128).all())
-        return shape_fits and _float16_normal(qw.scales) and (qw.bits == 8 or _float16_normal(qw.zeros * qw.scales))
+        return shape_fits and _float16_holds(qw.scales) and (qw.bits == 8 or _float16_holds(qw.zeros * qw.scales))
 
     def quantised(self, x2: torch.Tensor) -> torch.Tensor:
         """The kernel itself on ``x2 [rows, in]``, whatever the row count (out in x2's dtype)."""
@@ -199,11 +201,14 @@ class QuantMatmulLinear(_QuantisedLinear):
         return self._nbytes
 
 
-def _float16_normal(t: torch.Tensor) -> bool:
-    """Every nonzero value in float16's normal range (where it keeps 11 significant bits)."""
-    a = t.abs().float()
-    nonzero = a[a > 0]
-    return bool(nonzero.numel() == 0 or (nonzero.max() <= 65504 and nonzero.min() >= 2.0 ** -14))
+def _float16_holds(t: torch.Tensor) -> bool:
+    """Whether float16 holds every value of ``t`` exactly (GGUF's float16 scales, subnormal
+    ones included) or to float16's own precision (a relative error of at most 2^-11, as for a
+    float32 scale in its normal range); False if a value overflows or loses more as a
+    subnormal."""
+    t = t.float()
+    h = t.half().float()
+    return bool(torch.isfinite(h).all() and ((h - t).abs() <= t.abs() * 2.0 ** -11).all())
 
 
 class Int8Linear(_QuantisedLinear):

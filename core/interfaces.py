@@ -501,7 +501,9 @@ class Backend(Protocol):
         k, the KV write and attention in one call; returns ``[T, H * D]`` in qkv's dtype, or
         None when it does not apply (the model then calls ``write_kv`` and ``attention``).
         Required like every method here (the model calls it every decode step, on layers
-        without a window or a soft-cap); a backend without such a path returns None."""
+        without a window or a soft-cap); a backend without such a path returns None. Decode
+        rows may share a block table (a draft chain: ``AttentionInputs``), so every row's K/V
+        is written before any row attends."""
 
     def rope(self, x, cos, sin):
         """Rotary embedding, rotate-half (neox) form: ``x [T, heads, head_dim]`` (q and k heads

@@ -343,6 +343,16 @@ def test_pack_gives_quant_matmul_what_fits_and_torch_the_rest(ops):
     huge = _quantized(64, 128, 4, 32)
     huge = QuantizedWeight(codes=huge.codes, scales=huge.scales * 1e6, zeros=huge.zeros, bits=4, group_size=32)
     assert isinstance(packed(huge), Int4Linear)  # scales past float16's range: torch's kernel
+    # a float16 subnormal scale (a GGUF block of tiny weights) is exact: taken; a float32 one
+    # float16 would round by more than its own precision: not
+    tiny = _quantized(64, 128, 8, 32)
+    exact = tiny.scales.clone()
+    exact[0, 0] = 2.0 ** -20
+    assert QuantMatmulLinear.fits(QuantizedWeight(codes=tiny.codes, scales=exact, zeros=tiny.zeros, bits=8,
+                                                  group_size=32))
+    exact[0, 0] = 1.2345e-7
+    assert not QuantMatmulLinear.fits(QuantizedWeight(codes=tiny.codes, scales=exact, zeros=tiny.zeros, bits=8,
+                                                      group_size=32))
     # quant_kernel = torch keeps torch's kernels
     assert isinstance(pack(_quantized(64, 128, 4, 32), torch.bfloat16, cpu_linear="mkl", quant_max_rows=0),
                       Int4Linear)

@@ -12,7 +12,7 @@
 // in chunks of at most MAX_ROWS, and a chunk's size changes no row's order of operations):
 // a row's output is bit-identical alone and in a batch.
 //
-// Layouts (packed by backends/torch_linear.py, QuantMatmul4 / QuantMatmul8):
+// Layouts (packed by backends/torch_linear.py, QuantMatmulLinear):
 // - 4-bit: codes [N/16, K/2, 16] uint8, byte j of pair p holds column j's codes k = 2p (low
 //   nibble) and 2p + 1 (high); sm [N/16, K/group, 2, 16] float16: per group the 16 columns'
 //   scales, then their offsets, so w = code * scale + offset (offset = -zero * scale). GGUF's
@@ -186,7 +186,7 @@ static void run_rows(int n, int bits, const float* xf, const float* xs, int64_t 
 // [N/16, K, 16] int8 and sm [N/16, K/group, 16] float16.
 inline at::Tensor quant_matmul(at::Tensor x, at::Tensor codes, at::Tensor sm, int64_t bits, int64_t group) {
   RECORD_FUNCTION("tokenloom::quant_matmul", std::vector<c10::IValue>());
-  TORCH_CHECK(x.dim() == 2, "quant_matmul: x must be [rows, in]");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "quant_matmul: x must be [rows, in] on the CPU");
   TORCH_CHECK(bits == 4 || bits == 8, "quant_matmul: bits must be 4 or 8");
   TORCH_CHECK(sm.scalar_type() == at::kHalf && sm.is_contiguous(), "quant_matmul: float16 contiguous scales");
   TORCH_CHECK(codes.is_contiguous() && codes.dim() == 3 && codes.size(2) == 16, "quant_matmul: codes [N/16, ., 16]");
