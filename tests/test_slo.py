@@ -4,6 +4,7 @@ ordering, chunk sizing, attainment counters, and the bench's report."""
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 
 import msgspec
@@ -463,7 +464,9 @@ def test_bench_slo_report_on_a_tiny_config(tiny_model_dir, tmp_path, monkeypatch
     cal = report["calibration"]  # no TPOT target given: measured first, TTFT kept as given
     assert (cal["prefill_tokens"], cal["decode_seqs"], cal["decode_context"], cal["chunk_tokens"]) == (8, 3, 60, 512)
     assert cal["decode_ms"] > 0 and cal["prefill_ms"] > 0 and cal["chunk_ms"] > 0
-    assert cal["tpot_ms"] == round(3 * cal["decode_ms"]) and cal["ttft_ms"] == round(cal["chunk_ms"], -1)
+    # targets round up, never to 0 (a 0 ms target is refused): TPOT to the ms, TTFT to 10 ms
+    assert cal["tpot_ms"] == math.ceil(3 * cal["decode_ms"]) and cal["ttft_ms"] == 10 * math.ceil(cal["chunk_ms"] / 10)
+    assert cal["tpot_ms"] > 0 and cal["ttft_ms"] > 0
     assert (report["workload"]["ttft_ms"], report["workload"]["tpot_ms"]) == (500.0, cal["tpot_ms"])
     assert [r["scheduler"] for r in report["results"]] == ["continuous", "slo"]
     for r in report["results"]:
