@@ -215,7 +215,7 @@ class TorchBackend:
         if options.quant_kernel != "torch" and self.device.type == "cpu":
             from tokenloom.kernels import cpu_ops
 
-            self.quant_ops = cpu_ops.load()
+            self.quant_ops = cpu_ops.load()  # (the module built once above, or None again)
             if self.quant_ops is None and options.quant_kernel == "cpp":
                 from tokenloom.core.errors import ConfigError
 

@@ -194,7 +194,9 @@ def fuse(specs: list[WeightSpec]) -> WeightSpec:
 
 @runtime_checkable
 class LinearWeight(Protocol):
-    """What the model computes a matmul with: ``apply(x) = x @ W^T`` for x [..., in]."""
+    """What the model computes a matmul with: ``apply(x) = x @ W^T`` for x [..., in]. A weight
+    whose kernel sums in float32 may also offer ``apply_float32(x)`` (see :func:`apply_float32`,
+    which the output head goes through)."""
 
     out_features: int
     in_features: int

@@ -1,6 +1,6 @@
 """C++ ops for CPUs: decode attention that reads the KV blocks where they lie, matmuls over
-quantised weights, and the residual add fused with RMSNorm. (A SwiGLU silu * up measured 2-6x slower than torch's two
-vectorised ops, so there is none.)
+quantised weights, and the residual add fused with RMSNorm. (A SwiGLU silu * up measured
+2-6x slower than torch's two vectorised ops, so there is none.)
 
 The torch path (``TorchBackend._decode``) gathers every sequence's padded context into a
 new tensor in every layer, converts it, and runs ~20 small ops; at batch 1 on the embedded
@@ -18,7 +18,7 @@ The C++ lives in ``kernels/csrc/`` (shipped as package data):
   weights in their stored groups (float32 activations and sums; backends/torch_linear.py
   ``QuantMatmulLinear`` packs the weights for it);
 - ``rms_norm.h``: ``add_rms_norm``, the residual add fused with RMSNorm;
-- ``common.h``: the row-to-float32 conversion both use;
+- ``common.h``: the row-to-float32 conversion they all use;
 - ``cpu_ops.cpp``: the captured decode step (``StepLinear``, ``DecodeStep``), which calls
   the ops above, and the Python bindings of everything (``PYBIND11_MODULE``). It includes
   the headers: one translation unit, since torch's headers are most of the compile time
@@ -101,8 +101,8 @@ def _put_ninja_on_path() -> None:
 
 def load():
     """The compiled module (``paged_decode_attention``, ``decode_layer_attention``,
-    ``quant_matmul``, ``add_rms_norm``, ``StepLinear``, ``DecodeStep``, ``simd_path``), built on the first
-    call, or None (the reason logged once, then :func:`unavailable_reason`) where it cannot
+    ``quant_matmul``, ``add_rms_norm``, ``StepLinear``, ``DecodeStep``, ``simd_path``), built
+    on the first call, or None (the reason logged once, then :func:`unavailable_reason`) where it cannot
     be built."""
     with _lock:
         if "op" not in _state:

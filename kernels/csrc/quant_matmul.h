@@ -210,7 +210,7 @@ inline at::Tensor quant_matmul(at::Tensor x, at::Tensor codes, at::Tensor sm, in
   const auto xc = x.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_matmul", [&] {
     // the rows in float32 once (exact), and (4-bit) each row's per-group sums, summed in order
-    std::vector<float> xf(R * K), xs(R * G);
+    std::vector<float> xf(R * K), xs(bits == 4 ? R * G : 0);  // (8-bit: no offsets, no sums)
     const scalar_t* xp = xc.data_ptr<scalar_t>();
     for (int64_t r = 0; r < R; ++r) row_to_float(xp + r * K, xf.data() + r * K, K);
     if (bits == 4) {
