@@ -45,6 +45,7 @@ from tokenloom.backends.torch_linear import (
     Int4Linear,
     Int8Linear,
     QuantMatmulLinear,
+    StepRows,
     pack,
     step_linear,
 )
@@ -212,6 +213,8 @@ class TorchBackend:
 
             raise ConfigError(f"backend.quant_kernel must be auto, cpp or torch, got {options.quant_kernel!r}")
         self.quant_ops = None  # the C++ ops whose quant_matmul runs quantised weights, when in use
+        # this step's floor under the quantised weights' row thresholds (set by prepare)
+        self.step_rows = StepRows()
         if options.quant_kernel != "torch" and self.device.type == "cpu":
             from tokenloom.kernels import cpu_ops
 
@@ -313,6 +316,8 @@ class TorchBackend:
         them; per prefill span its blocks and, when it has a cached part or a tree, a mask."""
         dev, bs = self.device, inp.block_size
         t = inp.tensors(dev)
+        # one sequence's rows (its decode row and draft chain) round as one row would
+        self.step_rows.floor = len(inp.decode_rows) if inp.single_sequence else 0
         if self.batch_invariant:
             return TorchAttnMeta(inp.slot_mapping, None, None, None, [], slots=_query_slots(inp, t))
         decode_rows = decode_blocks = decode_bias = decode_tables = decode_lens = None
@@ -535,7 +540,7 @@ class TorchBackend:
         """Called once per matmul at load time: the LinearWeight this machine computes it
         with (backends/torch_linear.py says which kernel for which spec)."""
         lw = pack(spec, dtype, cpu_linear=self.cpu_linear, quant_max_rows=self.quant_max_rows,
-                  int8_regroup=self.int8_regroup, quant_ops=self.quant_ops)
+                  int8_regroup=self.int8_regroup, quant_ops=self.quant_ops, step_rows=self.step_rows)
         if self.batch_invariant and not isinstance(lw, (Int4Linear, Int8Linear, QuantMatmulLinear)):
             from tokenloom.core.errors import ConfigError
 
@@ -577,15 +582,16 @@ class TorchBackend:
                               [lyr.qkv_bias for lyr in model.layers], [lyr.q_norm for lyr in model.layers],
                               [lyr.k_norm for lyr in model.layers], model.num_heads, model.num_kv_heads,
                               model.head_dim, model.rms_norm_eps, model.head_dim**-0.5, model.dtype)
-        return CppDecodeStep(step, model.dtype, low_rank)
+        return CppDecodeStep(step, model.dtype, low_rank, self.step_rows)
 
 
 class CppDecodeStep:
     """The captured decode step (``TorchBackend.capture_decode``): runs a pure decode step on
     KV pools of the model dtype, plain or 8-bit, and returns None for any other step."""
 
-    def __init__(self, step, dtype: torch.dtype, low_rank: bool = False):
+    def __init__(self, step, dtype: torch.dtype, low_rank: bool = False, step_rows: StepRows | None = None):
         self.step, self.dtype = step, dtype
+        self.step_rows = step_rows or StepRows()  # the backend's: this step's floor under the row thresholds
         self.low_rank = low_rank  # it runs the adapters' updates of LowRankUpdated matmuls
         self._bound = None  # the kv_caches list the C++ step holds
         self.steps = 0  # steps it ran (the rest ran op by op)
@@ -602,7 +608,8 @@ class CppDecodeStep:
                            [p[2] for p in pools] if quantized else [], [p[3] for p in pools] if quantized else [])
             self._bound = kv_caches
         self.steps += 1
-        return self.step.run(input_ids, positions, meta.slot_mapping, meta.decode_tables, meta.decode_lens)
+        return self.step.run(input_ids, positions, meta.slot_mapping, meta.decode_tables, meta.decode_lens,
+                             self.step_rows.floor)
 
 
 def _pools(k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

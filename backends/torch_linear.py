@@ -24,7 +24,10 @@ Which kernel runs depends on the spec, the device and the batch:
 - above ``quant_max_rows`` rows (every quantised kernel) a dense copy in the engine dtype,
   kept beside the quantised one, is used instead: the kernels are built for few rows.
   ``quant_max_rows = -1`` (the default) measures where that crossing lies on this machine,
-  per weight shape, at load (``_tuned``; `tokenloom bench kernels` prints the timings);
+  per weight shape, at load (``_tuned``; `tokenloom bench kernels` prints the timings).
+  A step whose rows are all one sequence's (its decode row and draft chain, a batch-1
+  verification) keeps the quantised kernel at any row count (``StepRows``), so each row
+  rounds as a plain one-row decode step does;
 - anything else (fp8, quantised specs on CUDA): dequantised once at load to the engine
   dtype — the kernel name says so.
 """
@@ -96,15 +99,34 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x2, self.onednn, None, "none", [], "")
 
 
+class StepRows:
+    """What a step tells its quantised matmuls (one per backend, shared by its weights and
+    its captured step): ``floor``, the row count up to which each keeps its own kernel
+    whatever its threshold. The backend sets it per step: the row count when every row is
+    one sequence's (``AttentionInputs.single_sequence``), else 0."""
+
+    __slots__ = ("floor",)
+
+    def __init__(self) -> None:
+        self.floor = 0
+
+
+NO_STEP_ROWS = StepRows()  # (a weight packed outside a backend: its threshold alone decides)
+
+
 class _QuantisedLinear:
     """A quantised kernel for few rows, and the dense copy (when kept) for more."""
 
     __slots__ = ()
 
+    def takes_dense(self, rows: int) -> bool:
+        """Whether ``rows`` rows go to the dense copy: above the threshold and the step's floor."""
+        return self.dense is not None and rows > self.max_rows and rows > self.step_rows.floor
+
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self.apply(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
-        if self.dense is not None and x.shape[0] > self.max_rows:
+        if self.takes_dense(x.shape[0]):
             return self.dense.apply(x)
         if x.dtype == torch.bfloat16:  # the kernels' own dtype: no conversion op either way
             return self.quantised(x)
@@ -116,7 +138,7 @@ class Int4Linear(_QuantisedLinear):
     where zero' = (8 - zero) * scale turns our zero points into the kernel's form."""
 
     __slots__ = ("packed", "scales_zeros", "group_size", "out_features", "in_features", "dense", "max_rows",
-                 "kernel", "_nbytes")
+                 "step_rows", "kernel", "_nbytes")
 
     def __init__(self, qw: QuantizedWeight, max_rows: int, dense):
         self.out_features, self.in_features = qw.shape
@@ -124,7 +146,7 @@ class Int4Linear(_QuantisedLinear):
         self.packed = torch._convert_weight_to_int4pack_for_cpu(qw.codes.to(torch.int32).contiguous(), 1)
         zero = (8.0 - qw.zeros) * qw.scales  # [out, groups]
         self.scales_zeros = torch.stack([qw.scales, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        self.max_rows = max_rows
+        self.max_rows, self.step_rows = max_rows, NO_STEP_ROWS
         self.dense = dense  # the backend's dense LinearWeight of the same values, or None
         self._nbytes = qw.nbytes()
         self.kernel = "int4pack_mm (bf16 act)" + (f" / dense above {max_rows} rows" if max_rows > 0 else "")
@@ -147,8 +169,8 @@ class QuantMatmulLinear(_QuantisedLinear):
     for all rows (each row's result is the same whatever the rows beside it). Layouts: 16
     output columns side by side, so a 16-byte load feeds 16 accumulators."""
 
-    __slots__ = ("codes", "sm", "bits", "group_size", "out_features", "in_features", "dense", "max_rows", "kernel",
-                 "_op", "_nbytes")
+    __slots__ = ("codes", "sm", "bits", "group_size", "out_features", "in_features", "dense", "max_rows",
+                 "step_rows", "kernel", "_op", "_nbytes")
 
     def __init__(self, qw: QuantizedWeight, op, max_rows: int, dense):
         self.out_features, self.in_features = out, inp = qw.shape
@@ -165,7 +187,7 @@ class QuantMatmulLinear(_QuantisedLinear):
             signed = (qw.codes.to(torch.int16) - 128).to(torch.int8)
             self.codes = signed.contiguous().view(out // 16, 16, inp).permute(0, 2, 1).contiguous()
             self.sm = scales.view(out // 16, 16, groups).permute(0, 2, 1).to(torch.float16).contiguous()  # [out/16, groups, 16]
-        self.max_rows, self.dense = max_rows, dense
+        self.max_rows, self.dense, self.step_rows = max_rows, dense, NO_STEP_ROWS
         self._nbytes = qw.nbytes()
         self.kernel = f"quant_matmul int{qw.bits} g{qw.group_size} (float32 sums)" + (
             f" / dense above {max_rows} rows" if dense is not None else "")
@@ -193,7 +215,7 @@ class QuantMatmulLinear(_QuantisedLinear):
         """``apply(x)`` in float32: where the kernel runs, its float32 sums unrounded (x is
         widened first, exactly); above ``max_rows`` the dense copy's result, widened."""
         x2 = x.reshape(-1, x.shape[-1])
-        if self.dense is not None and x2.shape[0] > self.max_rows:
+        if self.takes_dense(x2.shape[0]):
             return self.dense.apply(x).float()
         return self.quantised(x2.float()).view(*x.shape[:-1], self.out_features)
 
@@ -214,13 +236,13 @@ def _float16_holds(t: torch.Tensor) -> bool:
 class Int8Linear(_QuantisedLinear):
     """Symmetric 8-bit per output channel for torch's CPU int8 weight-only kernel."""
 
-    __slots__ = ("weight", "scales", "out_features", "in_features", "dense", "max_rows", "kernel")
+    __slots__ = ("weight", "scales", "out_features", "in_features", "dense", "max_rows", "step_rows", "kernel")
 
     def __init__(self, qw: QuantizedWeight, max_rows: int, dense, kernel: str = "int8pack_mm (bf16 act)"):
         self.out_features, self.in_features = qw.shape
         self.weight = (qw.codes.to(torch.int16) - 128).to(torch.int8).contiguous()
         self.scales = qw.scales[:, 0].to(torch.bfloat16).contiguous()
-        self.max_rows, self.dense = max_rows, dense
+        self.max_rows, self.dense, self.step_rows = max_rows, dense, NO_STEP_ROWS
         self.kernel = kernel + (f" / dense above {max_rows} rows" if dense is not None else "")
 
     def quantised(self, x2: torch.Tensor) -> torch.Tensor:
@@ -247,10 +269,20 @@ def per_channel_int8(qw: QuantizedWeight) -> QuantizedWeight:
 
 
 def pack(spec: WeightSpec, dtype: torch.dtype, *, cpu_linear: str, quant_max_rows: int, int8_regroup: bool = True,
-         quant_ops=None):
+         quant_ops=None, step_rows: StepRows | None = None):
     """The torch backend's choice of LinearWeight for ``spec`` (see the module docstring);
     ``quant_ops``: the C++ ops module whose ``quant_matmul`` takes the quantised weights it
-    fits, or None for torch's kernels."""
+    fits, or None for torch's kernels; ``step_rows``: the backend's per-step floor, which a
+    quantised weight reads."""
+    lw = _pack(spec, dtype, cpu_linear=cpu_linear, quant_max_rows=quant_max_rows, int8_regroup=int8_regroup,
+               quant_ops=quant_ops)
+    if step_rows is not None and isinstance(lw, _QuantisedLinear):
+        lw.step_rows = step_rows
+    return lw
+
+
+def _pack(spec: WeightSpec, dtype: torch.dtype, *, cpu_linear: str, quant_max_rows: int, int8_regroup: bool,
+          quant_ops):
     cpu = (spec.device if isinstance(spec, torch.Tensor) else _device(spec)).type == "cpu"
     if isinstance(spec, QuantizedWeight) and cpu and spec.g_idx is None:
         out, inp = spec.shape

@@ -131,6 +131,11 @@ def run_spec(args, flags: dict, pm: PluginManager) -> dict:
         engine = llm.engine
         for task, messages in tasks.items():
             base_tokens = None
+            # each prompt once first, so every decoder's run finds the same prefix cache: a run
+            # that prefills the whole prompt and one that hits the cache compute the prompt's
+            # tail over different row counts, which rounds its KV differently (docs/quantization.md)
+            for m in messages:
+                llm.generate(messages=[m], params=SamplingParams(temperature=0, max_tokens=1))
             for dec in decoders:
                 params = SamplingParams(temperature=0, max_tokens=args.max_tokens, decoder=dec,
                                         num_speculative_tokens=args.k)

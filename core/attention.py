@@ -34,7 +34,15 @@ class AttentionInputs:
     block table: a sequence's last token and its draft chain are verified as consecutive
     decode rows, row j seeing the context up to and including draft j (each a plain decode
     row would, token for token). So a backend writes every new token's KV
-    (``slot_mapping``) before any row of the step attends."""
+    (``slot_mapping``) before any row of the step attends.
+
+    ``single_sequence``: every row is one sequence's decode row or draft chain (a batch-1
+    verification step, or a plain batch-1 decode step). A backend whose kernel choice depends
+    on the row count may read it to choose as for one row, so that each of these rows gets
+    the logits a plain decode step would and greedy verification emits ``standard``'s
+    tokens. The torch backend does, for its quantised matmuls' row threshold (above which a
+    dense copy rounds differently); the triton backend does not (its GPU GEMMs are not
+    row-invariant to begin with)."""
 
     slot_mapping: torch.Tensor  # [T] int64: flat KV slot of each new token
     block_size: int
@@ -42,6 +50,7 @@ class AttentionInputs:
     decode_context_lens: list[int] = field(default_factory=list)
     decode_block_tables: list[list[int]] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
+    single_sequence: bool = False  # (see above)
     step: StepTensors | None = None  # the same as tensors; see tensors()
 
     def tensors(self, device: torch.device | str = "cpu") -> StepTensors:

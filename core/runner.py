@@ -183,6 +183,7 @@ class ModelRunner:
                 sample_rows.extend(range(row + n - 1, row + n + k))
                 sample_seqs.append(seq)
                 row_counts.append(k + 1)
+        attn.single_sequence = len(items) == 1 and not attn.prefills
         return plan, sample_seqs, row_counts
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs, list[int], list[Sequence],

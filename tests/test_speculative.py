@@ -481,6 +481,54 @@ def test_a_draft_chain_is_verified_as_decode_rows(make_llm, quantizer):
     cache.free(seq)
 
 
+@pytest.mark.parametrize("capture", [True, False])
+def test_one_sequences_rows_keep_the_quantised_kernel_whatever_its_row_threshold(make_llm, capture):
+    """A batch-1 verification step (``AttentionInputs.single_sequence``) keeps every quantised
+    matmul on its own kernel, even above the row count where a dense copy takes over
+    (``quant_max_rows`` 1 here): each row's logits are bit for bit a plain decode step's, so
+    greedy n-gram and draft-model decoding give ``standard``'s tokens on the 4-bit path."""
+    from tokenloom.core.sequence import Batch
+
+    llm = make_llm(num_kv_blocks=64, block_size=4, quantizer="rtn", dtype="bfloat16",
+                   capture=capture, flags={"backend": {"quant_max_rows": 1}, "enable_decoders": ["ngram", "speculative"]})
+    runner, cache = llm.engine.runner, llm.engine.cache
+    assert (runner.model.captured is not None) == capture
+    assert "dense above 1 rows" in runner.model.layers[0].qkv.kernel  # the threshold this test crosses
+    prompt, drafts = [5, 9, 33, 70, 12, 8, 90], [40, 41, 42, 43, 44]
+
+    def run():
+        seq = Sequence("chain", list(prompt), SamplingParams(max_tokens=20))
+        assert cache.allocate(seq, len(prompt) - 1)
+        runner.forward(Batch([seq], [len(prompt) - 1], [cache.block_table(seq)]))
+        seq.num_computed_tokens = len(prompt) - 1
+        assert cache.allocate(seq, 1, num_lookahead=len(drafts))
+        batch = Batch([seq], [1], [cache.block_table(seq)], draft_tokens=[drafts])
+        assert runner.plan(batch)[0].attn.single_sequence
+        out = runner.forward(batch)
+        ref = Sequence("plain", list(prompt), SamplingParams(max_tokens=20))
+        assert cache.allocate(ref, len(prompt) - 1)
+        runner.forward(Batch([ref], [len(prompt) - 1], [cache.block_table(ref)]))
+        ref.num_computed_tokens = len(prompt) - 1
+        # two sequences' rows are a batch: the threshold decides again
+        two = Batch([seq, ref], [1, 1], [cache.block_table(seq), cache.block_table(ref)])
+        assert not runner.plan(two)[0].attn.single_sequence
+        for row, token in enumerate([None, *drafts]):
+            if token is not None:
+                ref.append_token(token)
+            assert cache.allocate(ref, 1)
+            want = runner.forward(Batch([ref], [1], [cache.block_table(ref)])).logits[0]
+            ref.num_computed_tokens += 1
+            assert torch.equal(out.logits[row], want), row
+        cache.free(ref)
+        cache.free(seq)
+
+    llm.engine.call_in_step_thread(run)
+    want = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].token_ids
+    for decoder in ("ngram", "speculative"):
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, decoder=decoder)
+        assert llm.generate([prompt], params)[0].token_ids == want, decoder
+
+
 def test_accepted_tree_branch_kv_moves_into_place(make_llm):
     """After a step that accepts a branch of a tree, decoding on gives the tokens (and the
     logits) of plain greedy decoding: the branch's KV sits at the right positions."""

@@ -69,8 +69,10 @@ struct StepLinear {
   }
   void set_lora_used(bool used) { lora_used = used; }
 
-  at::Tensor apply(const at::Tensor& x) const {
-    at::Tensor y = apply_base(x);
+  // floor: the step's row count up to which a quantised kind keeps its kernel whatever
+  // max_rows (one sequence's rows: backends/torch_linear.py StepRows)
+  at::Tensor apply(const at::Tensor& x, int64_t floor = 0) const {
+    at::Tensor y = apply_base(x, floor);
     if (lora && lora_used && lora->active) add_lora(x, y);
     return y;
   }
@@ -98,14 +100,14 @@ struct StepLinear {
     y.index_add_(0, st.scatter, d.view({-1, d.size(2)}).to(y.scalar_type()));
   }
 
-  at::Tensor apply_base(const at::Tensor& x) const {
+  at::Tensor apply_base(const at::Tensor& x, int64_t floor) const {
     const int64_t rows = x.size(0);
     if (kind == DENSE) return at::linear(x, a);
     if (kind == FP32_PACKED) {
       if (!b.defined() || (a.defined() && rows <= max_rows)) return at::mm(x, a);
       return onednn_linear(x, b);
     }
-    if (dense && rows > max_rows) return dense->apply(x);
+    if (dense && rows > max_rows && rows > floor) return dense->apply(x);
     if (kind == QMM4 || kind == QMM8) return quant_matmul(x, a, b, kind, group);
     const bool bf16 = x.scalar_type() == at::kBFloat16;
     const at::Tensor xb = bf16 ? x : x.to(at::kBFloat16);
@@ -181,8 +183,8 @@ struct DecodeStep {
   // the fused attention: the projection; + the bias (in the model dtype); each head of q and k
   // RMS-normed in float32 (x.float() then F.rms_norm: at::rms_norm, the op itself, so the
   // rounding is its own), concatenated with v in float32 and cast back to the model dtype.
-  at::Tensor project_qkv(size_t l, const at::Tensor& x) const {
-    at::Tensor out = qkv[l]->apply(x);
+  at::Tensor project_qkv(size_t l, const at::Tensor& x, int64_t floor) const {
+    at::Tensor out = qkv[l]->apply(x, floor);
     if (qkv_bias[l]) out = at::add(out, *qkv_bias[l]);
     if (q_norm[l]) {
       const int64_t T = out.size(0), q = num_heads * head_dim, kv = num_kv_heads * head_dim;
@@ -197,8 +199,9 @@ struct DecodeStep {
   }
 
   // ids, positions, slots [B] int64; tables [B, MB]; lens [B] -> hidden [B, d] float32 (before the final norm)
+  // floor: StepLinear::apply's (the rows of one sequence keep the quantised kernels)
   at::Tensor run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slots,
-                 const at::Tensor& tables, const at::Tensor& lens) {
+                 const at::Tensor& tables, const at::Tensor& lens, int64_t floor) {
     TORCH_CHECK(!k_caches.empty(), "bind the KV pools first");
     c10::InferenceMode inference;
     RECORD_FUNCTION("tokenloom::decode_step", std::vector<c10::IValue>());  // its self time: the glue between ops
@@ -208,11 +211,11 @@ struct DecodeStep {
     c10::optional<at::Tensor> delta;
     for (size_t l = 0; l < input_norm.size(); ++l) {
       at::Tensor x = add_rms_norm(h, delta, input_norm[l], eps, dtype);
-      const at::Tensor attn = decode_layer_attention(project_qkv(l, x), c, s, k_caches[l], v_caches[l], slots,
+      const at::Tensor attn = decode_layer_attention(project_qkv(l, x, floor), c, s, k_caches[l], v_caches[l], slots,
                                                      tables, lens, num_heads, scale, k_scales[l], v_scales[l]);
-      x = add_rms_norm(h, o[l]->apply(attn), post_norm[l], eps, dtype);
-      const auto gu = gate_up[l]->apply(x).chunk(2, -1);
-      delta = down[l]->apply(at::mul(at::silu(gu[0]), gu[1]));
+      x = add_rms_norm(h, o[l]->apply(attn, floor), post_norm[l], eps, dtype);
+      const auto gu = gate_up[l]->apply(x, floor).chunk(2, -1);
+      delta = down[l]->apply(at::mul(at::silu(gu[0]), gu[1]), floor);
     }
     return at::add(h, *delta);
   }
@@ -258,5 +261,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<c10::optional<at::Tensor>>, int64_t, int64_t, int64_t, double, double,
                     at::ScalarType>())
       .def("bind", &DecodeStep::bind)
-      .def("run", &DecodeStep::run, py::call_guard<py::gil_scoped_release>());
+      .def("run", &DecodeStep::run, py::arg("ids"), py::arg("positions"), py::arg("slots"), py::arg("tables"),
+           py::arg("lens"), py::arg("floor") = 0, py::call_guard<py::gil_scoped_release>());
 }
