@@ -72,6 +72,12 @@ class TorchBackendOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
     # at a fraction of a first row's cost); "torch" through torch's int4pack / int8pack
     # kernels (bfloat16 activations); "auto" takes cpp where it builds, else torch.
     quant_kernel: str = "auto"
+    # Above quant_max_rows, what a bfloat16 model's quant_matmul weights run: "amx" the C++
+    # amx_matmul (kernels/csrc/amx_matmul.h: bfloat16 tiles widened from the codes as they
+    # are read, on Intel AMX) up to 64 rows and the dense copy above (prompt chunks); "copy"
+    # the dense bfloat16 copy (oneDNN) throughout; "auto" takes amx where the CPU and the
+    # build have AMX-BF16, else copy.
+    quant_dense: str = "auto"
     # Decode attention on CPU: "fused" reads the KV blocks in place with one C++ op
     # (kernels/cpu_ops.py, built on first use); "torch" gathers each context with
     # torch ops; "auto" takes fused where it builds, else torch.
@@ -212,6 +218,11 @@ class TorchBackend:
             from tokenloom.core.errors import ConfigError
 
             raise ConfigError(f"backend.quant_kernel must be auto, cpp or torch, got {options.quant_kernel!r}")
+        if options.quant_dense not in ("auto", "amx", "copy"):
+            from tokenloom.core.errors import ConfigError
+
+            raise ConfigError(f"backend.quant_dense must be auto, amx or copy, got {options.quant_dense!r}")
+        self.quant_dense = options.quant_dense
         self.quant_ops = None  # the C++ ops whose quant_matmul runs quantised weights, when in use
         # this step's floor under the quantised weights' row thresholds (set by prepare)
         self.step_rows = StepRows()
@@ -224,6 +235,15 @@ class TorchBackend:
 
                 raise ConfigError("backend.quant_kernel = cpp, but the C++ ops could not be built: "
                                   f"{cpu_ops.unavailable_reason()}")
+        # the C++ ops whose amx_matmul stands in for quant_matmul weights' dense copies, or None
+        self.amx_ops = self.quant_ops if self.quant_ops is not None and self.quant_dense != "copy" and \
+            self.quant_ops.amx_ready() else None
+        if self.quant_dense == "amx" and self.amx_ops is None:
+            from tokenloom.core.errors import ConfigError
+
+            why = "the C++ ops could not be built" if self.quant_ops is None else \
+                "this CPU or build has no AMX-BF16 (kernels/csrc/amx_matmul.h: amx_ready() is False)"
+            raise ConfigError(f"backend.quant_dense = amx, but {why}; use auto or copy")
         self.batch_invariant = options.batch_invariant
         if self.batch_invariant:
             self._check_batch_invariant(options)
@@ -539,8 +559,14 @@ class TorchBackend:
     def pack_linear(self, spec, dtype):
         """Called once per matmul at load time: the LinearWeight this machine computes it
         with (backends/torch_linear.py says which kernel for which spec)."""
+        if self.quant_dense == "amx" and dtype != torch.bfloat16:
+            from tokenloom.core.errors import ConfigError
+
+            raise ConfigError(f"backend.quant_dense = amx runs bfloat16 models only, this one is {dtype}; use "
+                              "--dtype bfloat16, or quant_dense auto or copy")
         lw = pack(spec, dtype, cpu_linear=self.cpu_linear, quant_max_rows=self.quant_max_rows,
-                  int8_regroup=self.int8_regroup, quant_ops=self.quant_ops, step_rows=self.step_rows)
+                  int8_regroup=self.int8_regroup, quant_ops=self.quant_ops, step_rows=self.step_rows,
+                  amx_ops=self.amx_ops)
         if self.batch_invariant and not isinstance(lw, (Int4Linear, Int8Linear, QuantMatmulLinear)):
             from tokenloom.core.errors import ConfigError
 

@@ -216,11 +216,60 @@ class QuantMatmulLinear(_QuantisedLinear):
         widened first, exactly); above ``max_rows`` the dense copy's result, widened."""
         x2 = x.reshape(-1, x.shape[-1])
         if self.takes_dense(x2.shape[0]):
+            if isinstance(self.dense, AmxLinear):
+                return self.dense.apply_float32(x)
             return self.dense.apply(x).float()
         return self.quantised(x2.float()).view(*x.shape[:-1], self.out_features)
 
     def nbytes(self) -> int:
         return self._nbytes
+
+
+#: rows up to which AmxLinear runs amx_matmul; its dense copy above (prompt chunks), where
+#: oneDNN's own AMX GEMM over the copy wins (docs/quantization.md has the timings)
+AMX_MAX_ROWS = 64
+
+
+class AmxLinear:
+    """What a bfloat16 model's :class:`QuantMatmulLinear` runs above its row threshold on a
+    CPU with AMX-BF16, up to ``max_rows``: the C++ ``amx_matmul``
+    (kernels/csrc/amx_matmul.h) over the same packed codes and scales, which widens each
+    16-column block to bfloat16 weights (rounded as a dense bfloat16 copy holds them) as it
+    reads it and multiplies on the tile unit with float32 sums: it reads the codes (a quarter
+    of a dense copy's bytes at 4 bits). Above ``max_rows`` (prompt chunks) the dense copy."""
+
+    __slots__ = ("codes", "sm", "bits", "group_size", "out_features", "in_features", "kernel", "dense", "max_rows",
+                 "_op")
+
+    def __init__(self, q: QuantMatmulLinear, op, dense, max_rows: int):
+        self.codes, self.sm, self.bits, self.group_size = q.codes, q.sm, q.bits, q.group_size
+        self.out_features, self.in_features, self._op = q.out_features, q.in_features, op
+        self.dense, self.max_rows = dense, max_rows
+        self.kernel = f"amx_matmul int{q.bits} g{q.group_size} (bfloat16 weights, float32 sums)" + (
+            f" / dense above {max_rows} rows" if dense is not None else "")
+
+    @staticmethod
+    def fits(qw: QuantizedWeight, dtype: torch.dtype) -> bool:
+        """A bfloat16 model, and groups (and so the rows) in multiples of 32: one tile's depth."""
+        return dtype == torch.bfloat16 and qw.group_size % 32 == 0 and qw.shape[1] % 32 == 0
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.dense is not None and x2.shape[0] > self.max_rows:
+            return self.dense.apply(x)
+        return self._op(x2, self.codes, self.sm, self.bits, self.group_size).view(*x.shape[:-1], self.out_features)
+
+    def apply_float32(self, x: torch.Tensor) -> torch.Tensor:
+        """``apply(x)`` with amx_matmul's float32 sums unrounded (the output head's logits);
+        the dense copy's result, widened, above ``max_rows``."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.dense is not None and x2.shape[0] > self.max_rows:
+            return self.dense.apply(x).float()
+        return self._op(x2, self.codes, self.sm, self.bits, self.group_size, True).view(*x.shape[:-1],
+                                                                                        self.out_features)
+
+    def nbytes(self) -> int:
+        return 0  # (the QuantMatmulLinear's codes and scales)
 
 
 def _float16_holds(t: torch.Tensor) -> bool:
@@ -269,20 +318,21 @@ def per_channel_int8(qw: QuantizedWeight) -> QuantizedWeight:
 
 
 def pack(spec: WeightSpec, dtype: torch.dtype, *, cpu_linear: str, quant_max_rows: int, int8_regroup: bool = True,
-         quant_ops=None, step_rows: StepRows | None = None):
+         quant_ops=None, step_rows: StepRows | None = None, amx_ops=None):
     """The torch backend's choice of LinearWeight for ``spec`` (see the module docstring);
     ``quant_ops``: the C++ ops module whose ``quant_matmul`` takes the quantised weights it
     fits, or None for torch's kernels; ``step_rows``: the backend's per-step floor, which a
-    quantised weight reads."""
+    quantised weight reads; ``amx_ops``: the C++ ops whose ``amx_matmul`` replaces the dense
+    copy of a bfloat16 model's quant_matmul weights (:class:`AmxLinear`), or None."""
     lw = _pack(spec, dtype, cpu_linear=cpu_linear, quant_max_rows=quant_max_rows, int8_regroup=int8_regroup,
-               quant_ops=quant_ops)
+               quant_ops=quant_ops, amx_ops=amx_ops)
     if step_rows is not None and isinstance(lw, _QuantisedLinear):
         lw.step_rows = step_rows
     return lw
 
 
 def _pack(spec: WeightSpec, dtype: torch.dtype, *, cpu_linear: str, quant_max_rows: int, int8_regroup: bool,
-          quant_ops):
+          quant_ops, amx_ops=None):
     cpu = (spec.device if isinstance(spec, torch.Tensor) else _device(spec)).type == "cpu"
     if isinstance(spec, QuantizedWeight) and cpu and spec.g_idx is None:
         out, inp = spec.shape
@@ -291,8 +341,15 @@ def _pack(spec: WeightSpec, dtype: torch.dtype, *, cpu_linear: str, quant_max_ro
             return _dense(spec.dequantize(dtype), cpu_linear, "") if quant_max_rows != 0 else None
 
         if quant_ops is not None and QuantMatmulLinear.fits(spec):
+            kind = ("quant_matmul", f"int{spec.bits}", f"g{spec.group_size}")
+            if amx_ops is not None and quant_max_rows != 0 and AmxLinear.fits(spec, dtype):
+                lw = QuantMatmulLinear(spec, quant_ops.quant_matmul, quant_max_rows, None)
+                lw.dense = AmxLinear(lw, amx_ops.amx_matmul, dense(), AMX_MAX_ROWS)  # (its codes and scales)
+                if quant_max_rows > 0:
+                    lw.kernel += f" / amx_matmul above {quant_max_rows} rows / dense above {AMX_MAX_ROWS} rows"
+                return _tuned(lw, quant_max_rows, (*kind, "amx"), dtype)
             return _tuned(QuantMatmulLinear(spec, quant_ops.quant_matmul, quant_max_rows, dense()), quant_max_rows,
-                          ("quant_matmul", f"int{spec.bits}", f"g{spec.group_size}"), dtype)
+                          kind, dtype)
 
         if spec.bits == 4 and spec.group_size in INT4_GROUP_SIZES and inp % spec.group_size == 0 and out % 16 == 0:
             return _tuned(Int4Linear(spec, quant_max_rows, dense()), quant_max_rows, ("int4", spec.group_size), dtype)
@@ -342,7 +399,11 @@ def _tuned(lw, quant_max_rows: int, kind: tuple, dtype: torch.dtype):
         return lw
     key = (*kind, lw.out_features, lw.in_features, str(dtype).removeprefix("torch."))
     lw.max_rows = _crossing(key, lw.quantised, lw.dense.apply, lw.in_features, dtype)
-    lw.kernel = lw.kernel.split(" / dense above")[0] + f" / dense above {lw.max_rows} rows (measured)"
+    if isinstance(lw.dense, AmxLinear):
+        lw.kernel = lw.kernel.split(" / ")[0] + (f" / amx_matmul above {lw.max_rows} rows (measured) / dense above "
+                                                 f"{lw.dense.max_rows} rows")
+    else:
+        lw.kernel = lw.kernel.split(" / ")[0] + f" / dense above {lw.max_rows} rows (measured)"
     return lw
 
 
@@ -409,6 +470,12 @@ def step_linear(lw, ops):
         return base
     if isinstance(lw, DenseLinear):
         return ops.StepLinear(0, lw.weight, none, 0, 0, None)
+    if isinstance(lw, AmxLinear):  # (kinds 14 and 18: 10 + the bits), its dense copy above max_rows
+        dense = step_linear(lw.dense, ops) if lw.dense is not None else None
+        if lw.dense is not None and dense is None:
+            return None
+        return ops.StepLinear(10 + lw.bits, lw.codes, lw.sm, lw.group_size, lw.max_rows if dense is not None else 0,
+                              dense)
     if isinstance(lw, PackedLinear):
         return ops.StepLinear(3, lw.wt if lw.wt is not None else none, lw.onednn if lw.onednn is not None else none,
                               0, lw.max_rows, None)

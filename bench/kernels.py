@@ -42,6 +42,7 @@ def format_kernels(report: dict) -> str:
         cells = [f"{q:.0f} / {d:.0f}" for q, d in zip(s["quantised_us"], s["dense_us"], strict=True)]
         lines.append(f"| {s['kernel']} | {s['out']} x {s['in']} | " + " | ".join(cells) + f" | {s['max_rows']} rows |")
     lines.append("")
-    lines.append("each cell: first / second — quant_matmul, int4, int8: the quantised kernel / its dense copy; "
-                 "fp32 mkl-vs-onednn: MKL / oneDNN. Above the last column's row count the second runs.")
+    lines.append("each cell: first / second — quant_matmul, int4, int8: the quantised kernel / its dense copy "
+                 "(quant_matmul ... amx: / amx_matmul, which stands in for the copy); fp32 mkl-vs-onednn: MKL / "
+                 "oneDNN. Above the last column's row count the second runs.")
     return "\n".join(lines)

@@ -17,7 +17,8 @@ from tokenloom.core.sequence import Batch, Sequence
 
 # Ops that multiply by model weights (one per linear kernel the torch backend can choose).
 WEIGHT_MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::_weight_int4pack_mm_for_cpu",
-                     "aten::_weight_int8pack_mm", "mkldnn::_linear_pointwise")
+                     "aten::_weight_int8pack_mm", "mkldnn::_linear_pointwise", "tokenloom::quant_matmul",
+                     "tokenloom::amx_matmul")
 
 
 def profile_decode(llm, batch_size: int, prompt_len: int, steps: int = 20, top: int = 12) -> dict:

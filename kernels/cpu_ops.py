@@ -17,6 +17,10 @@ The C++ lives in ``kernels/csrc/`` (shipped as package data):
 - ``quant_matmul.h``: ``quant_matmul``, few-row matmuls over 4-bit and symmetric 8-bit
   weights in their stored groups (float32 activations and sums; backends/torch_linear.py
   ``QuantMatmulLinear`` packs the weights for it);
+- ``amx_matmul.h``: ``amx_matmul``, many-row matmuls over the same packed weights on Intel
+  AMX (bfloat16 tiles widened from the codes per 16-column block), what a bfloat16 step
+  above the quantised kernel's row threshold runs instead of a dense copy where
+  ``amx_ready()``;
 - ``rms_norm.h``: ``add_rms_norm``, the residual add fused with RMSNorm;
 - ``common.h``: the row-to-float32 conversion they all use;
 - ``cpu_ops.cpp``: the captured decode step (``StepLinear``, ``DecodeStep``), which calls

@@ -31,17 +31,20 @@ def _run(model_dir, capture: bool, **kw):
 
 # Each row picks a different mirror in C++: dense F.linear (bf16), MKL / oneDNN fp32 (the batch
 # of four crosses where oneDNN takes over), and the int4 / int8 kernels with their dense copy
-# above two rows (so both sides of the switch run as the batch shrinks from 4 to 1).
+# above two rows (so both sides of the switch run as the batch shrinks from 4 to 1); a bfloat16
+# int4 model's "dense" side is amx_matmul where the CPU has AMX (quant_dense auto), a copy with
+# quant_dense copy.
 @pytest.mark.parametrize("kw", [
     {"dtype": "bfloat16"},
     {"dtype": "float32", "backend": {"name": "torch", "cpu_linear": "onednn"}},
     {"dtype": "float32", "backend": {"name": "torch", "cpu_linear": "dual"}},
     {"dtype": "bfloat16", "quantizer": "rtn", "backend": {"name": "torch", "quant_max_rows": 2}},
+    {"dtype": "bfloat16", "quantizer": "rtn", "backend": {"name": "torch", "quant_max_rows": 2, "quant_dense": "copy"}},
     {"dtype": "float32", "quantizer": "int8", "backend": {"name": "torch", "quant_max_rows": 2}},
     {"dtype": "float32", "quantizer": "rtn", "backend": {"name": "torch", "quant_max_rows": 0}},
     {"dtype": "bfloat16", "kv_cache_dtype": "int8"},
     {"dtype": "float32", "kv_cache_dtype": "fp8"},
-], ids=["dense-bf16", "onednn-fp32", "mkl+onednn-fp32", "int4+dense-bf16", "int8+onednn-fp32", "int4-fp32",
+], ids=["dense-bf16", "onednn-fp32", "mkl+onednn-fp32", "int4+amx-bf16", "int4+copy-bf16", "int8+onednn-fp32", "int4-fp32",
         "int8-kv-bf16", "fp8-kv-fp32"])
 def test_captured_step_gives_the_op_by_op_outputs(tiny_model_dir, kw):
     tokens, logprobs, steps = _run(tiny_model_dir, True, **kw)

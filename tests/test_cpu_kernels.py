@@ -358,6 +358,66 @@ def test_pack_gives_quant_matmul_what_fits_and_torch_the_rest(ops):
                       Int4Linear)
 
 
+@pytest.mark.parametrize("bits, out, inp, group", [(4, 48, 64, 32), (4, 32, 128, 64), (8, 48, 96, 32),
+                                                   (8, 16, 64, 64)])
+def test_amx_matmul_matches_the_dense_bfloat16_matmul(ops, bits, out, inp, group):
+    """Where the CPU and the build have AMX-BF16, ``amx_matmul`` over quant_matmul's packed
+    weight computes what a dense bfloat16 copy would (weights rounded to bfloat16, float32
+    sums) at any row count, and ``pack`` puts it in the dense copy's place, sharing the
+    codes; elsewhere the op refuses, saying why, and ``pack`` keeps a dense copy."""
+    from tokenloom.backends.torch_linear import AmxLinear, QuantMatmulLinear, pack, step_linear
+
+    qw = _quantized(out, inp, bits, group)
+    lw = QuantMatmulLinear(qw, ops.quant_matmul, 0, None)
+    x = torch.randn(5, inp).bfloat16()
+    if not ops.amx_ready():
+        with pytest.raises(RuntimeError, match="amx_ready"):
+            ops.amx_matmul(x, lw.codes, lw.sm, bits, group)
+        return
+    w = qw.dequantize(torch.float32).bfloat16().double()  # the dense copy's weights
+    for rows in (1, 5, 16, 17, 33, 70):
+        x = torch.randn(rows, inp).bfloat16()
+        ref = x.double() @ w.t()
+        y = ops.amx_matmul(x, lw.codes, lw.sm, bits, group)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, out)
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-2, rows
+        y32 = ops.amx_matmul(x, lw.codes, lw.sm, bits, group, True)  # the float32 sums, unrounded
+        assert y32.dtype == torch.float32
+        assert ((y32.double() - ref).abs().max() / ref.abs().max()).item() < 2e-3, rows
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.amx_matmul(x.float(), lw.codes, lw.sm, bits, group)
+    packed = pack(qw, torch.bfloat16, cpu_linear="mkl", quant_max_rows=2, quant_ops=ops, amx_ops=ops)
+    assert isinstance(packed.dense, AmxLinear) and packed.dense.codes.data_ptr() == packed.codes.data_ptr()
+    assert packed.kernel.endswith("/ amx_matmul above 2 rows / dense above 64 rows")
+    x = torch.randn(9, inp).bfloat16()
+    assert torch.equal(packed.apply(x), ops.amx_matmul(x, lw.codes, lw.sm, bits, group))  # > 2 rows
+    many = torch.randn(65, inp).bfloat16()  # > 64 rows (prompt chunks): the dense copy
+    assert torch.equal(packed.apply(many), packed.dense.dense.apply(many))
+    assert torch.equal(packed.apply(x[:2]), lw.quantised(x[:2]))
+    assert torch.equal(packed.apply_float32(x), ops.amx_matmul(x, lw.codes, lw.sm, bits, group, True))
+    assert step_linear(packed, ops) is not None  # the captured step mirrors it (StepLinear kind 10 + bits)
+    # a float32 model keeps its dense copy
+    assert not isinstance(pack(qw, torch.float32, cpu_linear="mkl", quant_max_rows=2, quant_ops=ops,
+                               amx_ops=ops).dense, AmxLinear)
+
+
+def test_quant_dense_is_checked_at_start_up(make_llm, ops):
+    """``backend.quant_dense``: a value it does not know, or ``amx`` where it cannot run (no
+    AMX-BF16 here, or a float32 model), is refused at start-up naming it; ``auto`` on a
+    bfloat16 4-bit model takes amx_matmul where the CPU has it, a dense copy elsewhere."""
+    from tokenloom.backends.torch_linear import AmxLinear
+    from tokenloom.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="quant_dense must be auto, amx or copy"):
+        make_llm(flags={"backend": {"quant_dense": "tiles"}})
+    with pytest.raises(ConfigError, match="bfloat16 models only" if ops.amx_ready() else "no AMX-BF16"):
+        make_llm(quantizer="rtn", dtype="float32", flags={"backend": {"quant_dense": "amx"}})
+    llm = make_llm(quantizer="rtn", dtype="bfloat16", flags={"backend": {"quant_max_rows": 2}})
+    qkv = llm.engine.runner.model.layers[0].qkv
+    assert isinstance(qkv.dense, AmxLinear) == ops.amx_ready()
+    assert llm.generate([[5, 9, 33]] * 6, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].token_ids
+
+
 def test_the_build_has_the_paths_its_flags_allow(ops):
     """``TOKENLOOM_CPU_OPS_CFLAGS=-mno-avx512f`` builds the generic paths (the AVX2 machines'
     build); otherwise an AVX-512 CPU gets the hand-vectorised ones."""

@@ -6,6 +6,7 @@
 #include <ATen/record_function.h>
 #include <c10/core/InferenceMode.h>
 
+#include "amx_matmul.h"
 #include "attention.h"
 #include "quant_matmul.h"
 #include "rms_norm.h"
@@ -42,11 +43,11 @@ struct LoraStep {
 
 // One matmul as the backend packed it (backends/torch_linear.py), mirrored kind by kind.
 struct StepLinear {
-  enum Kind : int64_t { DENSE = 0, INT4 = 1, INT8 = 2, FP32_PACKED = 3, QMM4 = 4, QMM8 = 8 };
+  enum Kind : int64_t { DENSE = 0, INT4 = 1, INT8 = 2, FP32_PACKED = 3, QMM4 = 4, QMM8 = 8, AMX4 = 14, AMX8 = 18 };
   int64_t kind;
   at::Tensor a, b;  // DENSE: weight; INT4: packed, scales_zeros; INT8: weight, scales;
                     // FP32_PACKED: [in, out] copy for MKL (or undefined), oneDNN-packed (or undefined);
-                    // QMM4 / QMM8: quant_matmul's codes and scales
+                    // QMM4 / QMM8, AMX4 / AMX8: quant_matmul's codes and scales
   int64_t group;     // INT4 / QMM4 group size
   int64_t max_rows;  // quantised: their kernel up to this many rows, `dense` above; FP32: MKL up to, oneDNN above
   std::shared_ptr<StepLinear> dense;
@@ -109,6 +110,7 @@ struct StepLinear {
     }
     if (dense && rows > max_rows && rows > floor) return dense->apply(x);
     if (kind == QMM4 || kind == QMM8) return quant_matmul(x, a, b, kind, group);
+    if (kind == AMX4 || kind == AMX8) return amx_matmul(x, a, b, kind - 10, group);
     const bool bf16 = x.scalar_type() == at::kBFloat16;
     const at::Tensor xb = bf16 ? x : x.to(at::kBFloat16);
     at::Tensor y = kind == INT4 ? at::_weight_int4pack_mm_for_cpu(xb, a, group, b) : at::_weight_int8pack_mm(xb, a, b);
@@ -243,6 +245,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slot_rows"), py::arg("q_row"), py::arg("q_len"), py::arg("scale"), py::arg("window") = 0,
         py::arg("softcap") = 0.0);
   m.def("silu_mul", &silu_mul);
+  m.def("amx_ready", &amx::ready);
+  m.def("amx_matmul", &amx_matmul, py::arg("x"), py::arg("codes"), py::arg("sm"), py::arg("bits"), py::arg("group"),
+        py::arg("float_out") = false);
   m.def("quant_matmul", &quant_matmul, py::arg("x"), py::arg("codes"), py::arg("sm"), py::arg("bits"),
         py::arg("group"));
   py::class_<LoraStep, std::shared_ptr<LoraStep>>(m, "LoraStep")

@@ -1,0 +1,178 @@
+// Many-row matmuls over quant_matmul's packed 4-bit and 8-bit weights on Intel AMX
+// (amx_matmul): what a step with more rows than the quantised kernel's threshold runs
+// instead of a dense bfloat16 copy of the weight.
+//
+// Why: above a few rows quant_matmul's cost grows by a row's FMAs per row, and a dense copy
+// took over, which reads 2 bytes a weight (4x the 4-bit codes) and keeps 2 bytes a weight
+// in memory beside them. Here each 16-column block of codes is widened, per group, to
+// bfloat16 weights w = code * scale + offset (rounded once, as the dense copy holds them) in
+// the tile layout AMX reads, in a 1-2 KB buffer that stays in L1, and TDPBF16PS multiplies
+// bfloat16 rows of x by it with float32 sums: the codes are read once a step whatever the
+// row count, and no dense copy is kept.
+//
+// Rounds as the dense copy does (bfloat16 weights and activations, float32 sums), not as
+// quant_matmul (float32 weights): a step over many rows is not batch-invariant either way.
+//
+// Only where the build targets AMX-BF16 and AVX512-BF16 (-march=native on a Sapphire Rapids
+// or later Xeon) and the kernel lets this process use the tile registers (arch_prctl
+// ARCH_REQ_XCOMP_PERM): amx_ready() says so; elsewhere the op refuses and the backend keeps
+// the dense copy.
+#pragma once
+
+#include "common.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+
+#include <cstring>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define TOKENLOOM_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace amx {
+
+#if defined(TOKENLOOM_AMX)
+// the tile configuration (palette 1): tiles 0-1 accumulate two 16-row chunks of y, 2-3 hold
+// the matching chunks of x (16 rows x 32 bfloat16), 4 the weights (16 pairs of k x 16 columns)
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {0};
+  uint16_t colsb[16] = {0};
+  uint8_t rows[16] = {0};
+};
+
+inline bool permitted() {
+  // ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): once per process
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+// 16 float32 lo and hi (k = 2p and 2p + 1 of 16 columns) to one tile row: 16 pairs of bfloat16
+static inline __m512i pairs(__m512 lo, __m512 hi) {
+  alignas(64) static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  // (cvtne2ps: lo in lanes 0-15, hi in 16-31; round to nearest even, as the dense copy's .to(bfloat16))
+  return _mm512_permutexvar_epi16(_mm512_load_si512(order), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+// One 16-column block's weights as tile rows, all of K: out [K/2][16] uint32 (a pair of bfloat16)
+static inline void widen4(const uint8_t* codes, const at::Half* sm, int64_t K, int64_t group, uint32_t* out) {
+  for (int64_t g = 0; g < K / group; ++g) {
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + g * 32)));
+    const __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + g * 32 + 16)));
+    for (int64_t p = g * group / 2; p < (g + 1) * group / 2; ++p) {
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p * 16)));
+      const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), scale, offset);
+      const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), scale, offset);
+      _mm512_store_si512(out + p * 16, pairs(lo, hi));
+    }
+  }
+}
+
+static inline void widen8(const int8_t* codes, const at::Half* sm, int64_t K, int64_t group, uint32_t* out) {
+  for (int64_t g = 0; g < K / group; ++g) {
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + g * 16)));
+    for (int64_t p = g * group / 2; p < (g + 1) * group / 2; ++p) {
+      const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 2 * p * 16)))), scale);
+      const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (2 * p + 1) * 16)))), scale);
+      _mm512_store_si512(out + p * 16, pairs(lo, hi));
+    }
+  }
+}
+#endif
+
+inline bool ready() {
+#if defined(TOKENLOOM_AMX)
+  return permitted();
+#else
+  return false;
+#endif
+}
+
+}  // namespace amx
+
+// x [R, K] bfloat16 times quant_matmul's packed weight (see quant_matmul.h for the layouts):
+// y [R, N] bfloat16, or float32 with float_out. K and the group multiples of 32.
+inline at::Tensor amx_matmul(at::Tensor x, at::Tensor codes, at::Tensor sm, int64_t bits, int64_t group,
+                             bool float_out = false) {
+  RECORD_FUNCTION("tokenloom::amx_matmul", std::vector<c10::IValue>());
+  TORCH_CHECK(amx::ready(), "amx_matmul: this build or CPU has no AMX-BF16 (amx_ready() is False)");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
+              "amx_matmul: x must be [rows, in] bfloat16 on the CPU");
+  TORCH_CHECK(bits == 4 || bits == 8, "amx_matmul: bits must be 4 or 8");
+  TORCH_CHECK(sm.scalar_type() == at::kHalf && sm.is_contiguous() && codes.is_contiguous() && codes.dim() == 3 &&
+              codes.size(2) == 16, "amx_matmul: quant_matmul's packed codes and float16 scales");
+  const int64_t R = x.size(0), K = x.size(1), N = codes.size(0) * 16;
+  TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && K % group == 0, "amx_matmul: K and the group multiples of 32");
+  TORCH_CHECK(codes.size(1) * (bits == 4 ? 2 : 1) == K, "amx_matmul: codes do not match x's width");
+  TORCH_CHECK(sm.numel() == N * (K / group) * (bits == 4 ? 2 : 1), "amx_matmul: scales do not match the codes");
+  auto out = at::empty({R, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+#if defined(TOKENLOOM_AMX)
+  if (R == 0) return out;
+  const int64_t KB = K / 32, Rpad = (R + 31) / 32 * 32, NB = N / 16;
+  // x in tiles, [Rpad/16][K/32][16 rows][32 k], 1 KB each, zero rows below R
+  std::vector<uint16_t> xt_store(Rpad * K + 32, 0);
+  uint16_t* xt = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(xt_store.data()) + 63) & ~uintptr_t(63));
+  const auto xc = x.contiguous();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t kb = 0; kb < KB; ++kb)
+      std::memcpy(xt + (((r / 16) * KB + kb) * 16 + r % 16) * 32, xp + r * K + kb * 32, 64);
+  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
+  const at::Half* smp = sm.data_ptr<at::Half>();
+  void* yp = out.data_ptr();
+  at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
+    amx::TileConfig cfg;
+    for (int t = 0; t < 5; ++t) {
+      cfg.rows[t] = 16;
+      cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    std::vector<uint32_t> w_store(K / 2 * 16 + 16);
+    uint32_t* w = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(w_store.data()) + 63) & ~uintptr_t(63));
+    alignas(64) float c[2][16][16];
+    for (int64_t nb = nb0; nb < nb1; ++nb) {
+      if (bits == 4) {
+        amx::widen4(cp + nb * (K / 2) * 16, smp + nb * (K / group) * 32, K, group, w);
+      } else {
+        amx::widen8(reinterpret_cast<const int8_t*>(cp) + nb * K * 16, smp + nb * (K / group) * 16, K, group, w);
+      }
+      for (int64_t r0 = 0; r0 < Rpad; r0 += 32) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t kb = 0; kb < KB; ++kb) {
+          _tile_loadd(2, xt + ((r0 / 16) * KB + kb) * 512, 64);
+          _tile_loadd(3, xt + ((r0 / 16 + 1) * KB + kb) * 512, 64);
+          _tile_loadd(4, w + kb * 256, 64);
+          _tile_dpbf16ps(0, 2, 4);
+          _tile_dpbf16ps(1, 3, 4);
+        }
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        for (int h = 0; h < 2; ++h) {
+          for (int i = 0; i < 16; ++i) {
+            const int64_t r = r0 + h * 16 + i;
+            if (r >= R) break;
+            const __m512 v = _mm512_load_ps(c[h][i]);
+            if (float_out) {
+              _mm512_storeu_ps(static_cast<float*>(yp) + r * N + nb * 16, v);
+            } else {
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(yp) + r * N + nb * 16),
+                                  (__m256i)_mm512_cvtneps_pbh(v));
+            }
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+#endif
+  return out;
+}
