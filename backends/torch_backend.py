@@ -238,15 +238,40 @@ class TorchBackend:
         # the C++ ops whose amx_matmul stands in for quant_matmul weights' dense copies, or None
         self.amx_ops = self.quant_ops if self.quant_ops is not None and self.quant_dense != "copy" and \
             self.quant_ops.amx_ready() else None
-        if self.quant_dense == "amx" and self.amx_ops is None:
-            from tokenloom.core.errors import ConfigError
-
-            why = "the C++ ops could not be built" if self.quant_ops is None else \
-                "this CPU or build has no AMX-BF16 (kernels/csrc/amx_matmul.h: amx_ready() is False)"
-            raise ConfigError(f"backend.quant_dense = amx, but {why}; use auto or copy")
+        if self.quant_dense == "amx":
+            self._check_amx(options)
         self.batch_invariant = options.batch_invariant
         if self.batch_invariant:
             self._check_batch_invariant(options)
+
+    def _check_amx(self, options: TorchBackendOptions) -> None:
+        """``quant_dense = amx`` asked for by name: refused, naming why, wherever amx_matmul
+        would not run (``auto`` takes it where it can and the dense copy elsewhere)."""
+        from tokenloom.core.errors import ConfigError
+
+        from .torch_linear import AMX_MAX_ROWS
+
+        why = None
+        if self.device.type != "cpu":
+            why = f"amx_matmul is a CPU kernel and the device is {str(self.device)!r}"
+        elif options.quant_kernel == "torch":
+            why = ("backend.quant_kernel = torch runs torch's int4 / int8 kernels, and amx_matmul reads the C++ "
+                   "quant_matmul's packed weights")
+        elif options.batch_invariant:
+            why = "batch_invariant keeps the quantised kernels at every row count"
+        elif options.quant_max_rows == 0:
+            why = "backend.quant_max_rows = 0 keeps the quantised kernels at every row count"
+        elif options.quant_max_rows >= AMX_MAX_ROWS:
+            why = (f"backend.quant_max_rows = {options.quant_max_rows} leaves no rows to it (it runs from there "
+                   f"up to {AMX_MAX_ROWS})")
+        elif self.quant_ops is None:
+            from tokenloom.kernels import cpu_ops
+
+            why = f"the C++ ops could not be built: {cpu_ops.unavailable_reason()}"
+        elif self.amx_ops is None:
+            why = "this CPU or build has no AMX-BF16 (kernels/csrc/amx_matmul.h: amx_ready() is False)"
+        if why is not None:
+            raise ConfigError(f"backend.quant_dense = amx, but {why}; use auto or copy")
 
     def _check_batch_invariant(self, options: TorchBackendOptions) -> None:
         """The batch-invariant mode: every row of a step takes the same kernels, whose reduction
@@ -562,8 +587,9 @@ class TorchBackend:
         if self.quant_dense == "amx" and dtype != torch.bfloat16:
             from tokenloom.core.errors import ConfigError
 
-            raise ConfigError(f"backend.quant_dense = amx runs bfloat16 models only, this one is {dtype}; use "
-                              "--dtype bfloat16, or quant_dense auto or copy")
+            raise ConfigError(f"backend.quant_dense = amx runs bfloat16 models only, and a {dtype} one is loading "
+                              "(the model's --dtype, or decoder.draft_dtype for a draft model); use bfloat16 "
+                              "there, or quant_dense auto or copy")
         lw = pack(spec, dtype, cpu_linear=self.cpu_linear, quant_max_rows=self.quant_max_rows,
                   int8_regroup=self.int8_regroup, quant_ops=self.quant_ops, step_rows=self.step_rows,
                   amx_ops=self.amx_ops)

@@ -25,7 +25,9 @@ Which kernel runs depends on the spec, the device and the batch:
   kept beside the quantised one, is used instead: the kernels are built for few rows.
   ``quant_max_rows = -1`` (the default) measures where that crossing lies on this machine,
   per weight shape, at load (``_tuned``; `tokenloom bench kernels` prints the timings).
-  A step whose rows are all one sequence's (its decode row and draft chain, a batch-1
+  On a CPU with AMX-BF16 a bfloat16 model's ``quant_matmul`` weights run the C++
+  ``amx_matmul`` over the same codes between that threshold and ``AMX_MAX_ROWS`` rows
+  (``AmxLinear``; ``backend.quant_dense``), the dense copy only above. A step whose rows are all one sequence's (its decode row and draft chain, a batch-1
   verification) keeps the quantised kernel at any row count (``StepRows``), so each row
   rounds as a plain one-row decode step does;
 - anything else (fp8, quantised specs on CUDA): dequantised once at load to the engine
@@ -103,7 +105,9 @@ class StepRows:
     """What a step tells its quantised matmuls (one per backend, shared by its weights and
     its captured step): ``floor``, the row count up to which each keeps its own kernel
     whatever its threshold. The backend sets it per step: the row count when every row is
-    one sequence's (``AttentionInputs.single_sequence``), else 0."""
+    one sequence's (``AttentionInputs.single_sequence``), else 0. It holds until the next
+    step's ``prepare``, so what a decoder computes from that step's hidden rows after the
+    forward (Medusa's heads through the output head) rounds as the step did."""
 
     __slots__ = ("floor",)
 
@@ -234,7 +238,7 @@ class AmxLinear:
     """What a bfloat16 model's :class:`QuantMatmulLinear` runs above its row threshold on a
     CPU with AMX-BF16, up to ``max_rows``: the C++ ``amx_matmul``
     (kernels/csrc/amx_matmul.h) over the same packed codes and scales, which widens each
-    16-column block to bfloat16 weights (rounded as a dense bfloat16 copy holds them) as it
+    16-column block to bfloat16 weights (a dense bfloat16 copy's, up to a last bit) as it
     reads it and multiplies on the tile unit with float32 sums: it reads the codes (a quarter
     of a dense copy's bytes at 4 bits). Above ``max_rows`` (prompt chunks) the dense copy."""
 
@@ -342,7 +346,8 @@ def _pack(spec: WeightSpec, dtype: torch.dtype, *, cpu_linear: str, quant_max_ro
 
         if quant_ops is not None and QuantMatmulLinear.fits(spec):
             kind = ("quant_matmul", f"int{spec.bits}", f"g{spec.group_size}")
-            if amx_ops is not None and quant_max_rows != 0 and AmxLinear.fits(spec, dtype):
+            if amx_ops is not None and quant_max_rows != 0 and quant_max_rows < AMX_MAX_ROWS and \
+                    AmxLinear.fits(spec, dtype):
                 lw = QuantMatmulLinear(spec, quant_ops.quant_matmul, quant_max_rows, None)
                 lw.dense = AmxLinear(lw, amx_ops.amx_matmul, dense(), AMX_MAX_ROWS)  # (its codes and scales)
                 if quant_max_rows > 0:

@@ -9,6 +9,7 @@ import torch
 from test_cpu_kernels import _streams
 
 from tokenloom import LLM, SamplingParams
+from tokenloom.backends.torch_linear import AmxLinear
 from tokenloom.kernels import cpu_ops
 
 from conftest import tiny_engine_kwargs
@@ -24,9 +25,10 @@ def _run(model_dir, capture: bool, **kw):
         streams = llm.run(_streams(llm.engine, PROMPTS, params))
         captured = llm.engine.runner.model.captured
         steps = captured.steps if captured is not None else None
+        amx = isinstance(getattr(llm.engine.runner.model.layers[0].qkv, "dense", None), AmxLinear)
     tokens = [[t for d in deltas for t in d.token_ids] for deltas in streams]
     logprobs = torch.tensor([lp.logprob for deltas in streams for d in deltas for lp in d.logprobs])
-    return tokens, logprobs, steps
+    return tokens, logprobs, steps, amx
 
 
 # Each row picks a different mirror in C++: dense F.linear (bf16), MKL / oneDNN fp32 (the batch
@@ -47,8 +49,10 @@ def _run(model_dir, capture: bool, **kw):
 ], ids=["dense-bf16", "onednn-fp32", "mkl+onednn-fp32", "int4+amx-bf16", "int4+copy-bf16", "int8+onednn-fp32", "int4-fp32",
         "int8-kv-bf16", "fp8-kv-fp32"])
 def test_captured_step_gives_the_op_by_op_outputs(tiny_model_dir, kw):
-    tokens, logprobs, steps = _run(tiny_model_dir, True, **kw)
-    eager_tokens, eager_logprobs, eager_steps = _run(tiny_model_dir, False, **kw)
+    tokens, logprobs, steps, amx = _run(tiny_model_dir, True, **kw)
+    eager_tokens, eager_logprobs, eager_steps, _ = _run(tiny_model_dir, False, **kw)
+    int4_bf16 = kw.get("quantizer") == "rtn" and kw["dtype"] == "bfloat16"
+    assert amx == (int4_bf16 and cpu_ops.load().amx_ready() and kw["backend"].get("quant_dense") != "copy")
     assert steps and steps > 10  # the decode steps really ran captured ...
     assert eager_steps is None  # ... and with capture off nothing was captured
     assert tokens == eager_tokens

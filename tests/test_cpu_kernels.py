@@ -386,6 +386,10 @@ def test_amx_matmul_matches_the_dense_bfloat16_matmul(ops, bits, out, inp, group
         assert ((y32.double() - ref).abs().max() / ref.abs().max()).item() < 2e-3, rows
     with pytest.raises(RuntimeError, match="bfloat16"):
         ops.amx_matmul(x.float(), lw.codes, lw.sm, bits, group)
+    with pytest.raises(RuntimeError, match="group must be positive"):
+        ops.amx_matmul(x, lw.codes, lw.sm, bits, 0)
+    with pytest.raises(RuntimeError, match="codes are uint8"):
+        ops.amx_matmul(x, lw.codes.view(torch.int8 if bits == 4 else torch.uint8), lw.sm, bits, group)
     packed = pack(qw, torch.bfloat16, cpu_linear="mkl", quant_max_rows=2, quant_ops=ops, amx_ops=ops)
     assert isinstance(packed.dense, AmxLinear) and packed.dense.codes.data_ptr() == packed.codes.data_ptr()
     assert packed.kernel.endswith("/ amx_matmul above 2 rows / dense above 64 rows")
@@ -410,8 +414,16 @@ def test_quant_dense_is_checked_at_start_up(make_llm, ops):
 
     with pytest.raises(ConfigError, match="quant_dense must be auto, amx or copy"):
         make_llm(flags={"backend": {"quant_dense": "tiles"}})
-    with pytest.raises(ConfigError, match="bfloat16 models only" if ops.amx_ready() else "no AMX-BF16"):
+    with pytest.raises(ConfigError, match="bfloat16 models only.*decoder.draft_dtype" if ops.amx_ready()
+                       else "no AMX-BF16"):
         make_llm(quantizer="rtn", dtype="float32", flags={"backend": {"quant_dense": "amx"}})
+    # where amx_matmul would not run whatever the CPU: named before the CPU is asked
+    for backend, why in (({"quant_kernel": "torch"}, "backend.quant_kernel = torch"),
+                         ({"quant_max_rows": 0}, "backend.quant_max_rows = 0"),
+                         ({"quant_max_rows": 64}, "backend.quant_max_rows = 64 leaves no rows"),
+                         ({"batch_invariant": True}, "batch_invariant")):
+        with pytest.raises(ConfigError, match=f"quant_dense = amx, but {why}"):
+            make_llm(quantizer="rtn", dtype="bfloat16", flags={"backend": {"quant_dense": "amx", **backend}})
     llm = make_llm(quantizer="rtn", dtype="bfloat16", flags={"backend": {"quant_max_rows": 2}})
     qkv = llm.engine.runner.model.layers[0].qkv
     assert isinstance(qkv.dense, AmxLinear) == ops.amx_ready()

@@ -94,7 +94,8 @@ def test_each_adapter_gives_pefts_logits_and_greedy_ids(lora_setup):
             for prompt in PROMPTS:
                 with torch.no_grad():
                     ref = pm(torch.tensor([prompt])).logits[0]
-                assert (_logits(llm, prompt, name) - ref).abs().max() < 1e-4, name
+                # fp32 sums in another order than PEFT's: |logits| ~3, so ~1e-4 apart on some CPUs.
+                assert (_logits(llm, prompt, name) - ref).abs().max() < 5e-4, name
                 assert llm.generate([prompt], _greedy(adapter=name))[0].token_ids == _peft_greedy(pm, prompt), name
         with torch.no_grad():  # the base is untouched beside them
             ref = lora_setup["base"](torch.tensor([PROMPTS[0]])).logits[0]
@@ -274,7 +275,7 @@ def test_the_lora_table_and_flags_select_the_role(lora_setup):
 @pytest.mark.parametrize("quantizer", ["gguf", "none"])
 def test_over_a_gguf_4bit_base_adapters_stay_within_the_quantizers_tolerance(lora_setup, tmp_path, quantizer):
     """A Q4_0 GGUF of the base, each adapter against PEFT on the dequantised base in
-    transformers. Dequantised at load (``none``): within 1e-4. Kept 4-bit (``gguf``: the int4
+    transformers. Dequantised at load (``none``): the base within 1e-4, an adapter 5e-4. Kept 4-bit (``gguf``: the int4
     kernel computes with bf16 activations): the base alone is within 0.5% of the logits'
     range, an adapter within 4% (a2, rsLoRA at scale 8, amplifies the rounding most: 2.7%),
     with the same greedy ids wherever the reference's top two logits are further apart."""
@@ -300,7 +301,7 @@ def test_over_a_gguf_4bit_base_adapters_stay_within_the_quantizers_tolerance(lor
             with torch.no_grad():
                 ref = ref_model(torch.tensor([prompt])).logits[0]
             got = _logits(llm, prompt, name)
-            tol = 0.04 * ref.abs().max() if quantizer == "gguf" else 1e-4
+            tol = 0.04 * ref.abs().max() if quantizer == "gguf" else 5e-4  # (see the test above)
             assert (got - ref).abs().max() <= tol, name
             top2 = ref.topk(2, dim=-1).values
             clear = (top2[:, 0] - top2[:, 1]) > 2 * tol

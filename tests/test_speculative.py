@@ -493,6 +493,7 @@ def test_one_sequences_rows_keep_the_quantised_kernel_whatever_its_row_threshold
                    capture=capture, flags={"backend": {"quant_max_rows": 1}, "enable_decoders": ["ngram", "speculative"]})
     runner, cache = llm.engine.runner, llm.engine.cache
     assert (runner.model.captured is not None) == capture
+    captured_before = runner.model.captured.steps if capture else None
     assert "above 1 rows" in runner.model.layers[0].qkv.kernel  # the threshold this test crosses
     prompt, drafts = [5, 9, 33, 70, 12, 8, 90], [40, 41, 42, 43, 44]
 
@@ -505,6 +506,7 @@ def test_one_sequences_rows_keep_the_quantised_kernel_whatever_its_row_threshold
         batch = Batch([seq], [1], [cache.block_table(seq)], draft_tokens=[drafts])
         assert runner.plan(batch)[0].attn.single_sequence
         out = runner.forward(batch)
+        assert runner.backend.step_rows.floor == 1 + len(drafts)
         ref = Sequence("plain", list(prompt), SamplingParams(max_tokens=20))
         assert cache.allocate(ref, len(prompt) - 1)
         runner.forward(Batch([ref], [len(prompt) - 1], [cache.block_table(ref)]))
@@ -512,6 +514,8 @@ def test_one_sequences_rows_keep_the_quantised_kernel_whatever_its_row_threshold
         # two sequences' rows are a batch: the threshold decides again
         two = Batch([seq, ref], [1, 1], [cache.block_table(seq), cache.block_table(ref)])
         assert not runner.plan(two)[0].attn.single_sequence
+        runner.backend.prepare(runner.plan(two)[0].attn)
+        assert runner.backend.step_rows.floor == 0
         for row, token in enumerate([None, *drafts]):
             if token is not None:
                 ref.append_token(token)
@@ -523,6 +527,8 @@ def test_one_sequences_rows_keep_the_quantised_kernel_whatever_its_row_threshold
         cache.free(seq)
 
     llm.engine.call_in_step_thread(run)
+    if capture:  # the decode steps really ran captured
+        assert runner.model.captured.steps > captured_before
     want = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].token_ids
     for decoder in ("ngram", "speculative"):
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, decoder=decoder)

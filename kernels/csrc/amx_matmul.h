@@ -3,15 +3,18 @@
 // instead of a dense bfloat16 copy of the weight.
 //
 // Why: above a few rows quant_matmul's cost grows by a row's FMAs per row, and a dense copy
-// took over, which reads 2 bytes a weight (4x the 4-bit codes) and keeps 2 bytes a weight
-// in memory beside them. Here each 16-column block of codes is widened, per group, to
-// bfloat16 weights w = code * scale + offset (rounded once, as the dense copy holds them) in
-// the tile layout AMX reads, in a 1-2 KB buffer that stays in L1, and TDPBF16PS multiplies
-// bfloat16 rows of x by it with float32 sums: the codes are read once a step whatever the
-// row count, and no dense copy is kept.
+// took over, which reads 2 bytes a weight (4x the 4-bit codes). Here each 16-column block of
+// codes is widened, per group, to bfloat16 weights w = code * scale + offset (rounded once to
+// bfloat16) in the tile layout AMX reads, in a buffer of its own per thread (16 columns x K:
+// 32 * K bytes, 18 KB at K = 576, in L1 or L2), and TDPBF16PS multiplies bfloat16 rows of x by
+// it with float32 sums: the codes are read once a step whatever the row count. The dense copy
+// is still built, for prompt chunks above AmxLinear's 64 rows, where oneDNN's GEMM over it wins.
 //
-// Rounds as the dense copy does (bfloat16 weights and activations, float32 sums), not as
-// quant_matmul (float32 weights): a step over many rows is not batch-invariant either way.
+// Rounds as a dense bfloat16 copy does (bfloat16 weights and activations, float32 sums), not
+// as quant_matmul (float32 weights). The widened weights are the copy's up to a last bit: the
+// copy dequantises in float32 from the stored scales (a fused multiply-add here; for GPTQ and
+// AWQ a float16 offset folded from the zero point). A step over many rows is not
+// batch-invariant either way.
 //
 // Only where the build targets AMX-BF16 and AVX512-BF16 (-march=native on a Sapphire Rapids
 // or later Xeon) and the kernel lets this process use the tile registers (arch_prctl
@@ -107,6 +110,9 @@ inline at::Tensor amx_matmul(at::Tensor x, at::Tensor codes, at::Tensor sm, int6
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
               "amx_matmul: x must be [rows, in] bfloat16 on the CPU");
   TORCH_CHECK(bits == 4 || bits == 8, "amx_matmul: bits must be 4 or 8");
+  TORCH_CHECK(codes.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
+              "amx_matmul: 4-bit codes are uint8, 8-bit codes int8 (quant_matmul's packing)");
+  TORCH_CHECK(group > 0, "amx_matmul: group must be positive");
   TORCH_CHECK(sm.scalar_type() == at::kHalf && sm.is_contiguous() && codes.is_contiguous() && codes.dim() == 3 &&
               codes.size(2) == 16, "amx_matmul: quant_matmul's packed codes and float16 scales");
   const int64_t R = x.size(0), K = x.size(1), N = codes.size(0) * 16;

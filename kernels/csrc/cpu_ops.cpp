@@ -48,7 +48,7 @@ struct StepLinear {
   at::Tensor a, b;  // DENSE: weight; INT4: packed, scales_zeros; INT8: weight, scales;
                     // FP32_PACKED: [in, out] copy for MKL (or undefined), oneDNN-packed (or undefined);
                     // QMM4 / QMM8, AMX4 / AMX8: quant_matmul's codes and scales
-  int64_t group;     // INT4 / QMM4 group size
+  int64_t group;     // the group size of INT4, QMM4 / QMM8 and AMX4 / AMX8 (0 for dense kinds)
   int64_t max_rows;  // quantised: their kernel up to this many rows, `dense` above; FP32: MKL up to, oneDNN above
   std::shared_ptr<StepLinear> dense;
 
