@@ -57,13 +57,17 @@ typedef float vf16 __attribute__((vector_size(64)));  // GCC/Clang vectors: AVX-
 // dtype R, as the torch path's dequantisation (data.to(R) * scale.to(R)) rounds it. Both
 // conversions to R are exact (|int8| <= 127, e4m3's 3 mantissa bits), so the only rounding is
 // the product's: float32 then rounded to R, which is what R's multiply does.
-// float8_e4m3fn to float32 on the bits, so the loop vectorises: the 7 bits below the sign,
-// moved to the top of a float32's exponent and mantissa, read as a float32 with the exponent
-// bias 127 instead of e4m3's 7 (subnormals included: both formats' are 0.m * 2^(1 - bias)),
-// so one multiply by 2^120 rebiases; then the sign. Exact for every finite value (the pools
-// hold no NaN: writes clamp to +-448).
+// float8_e4m3fn to float32 on the bits, so the loop vectorises: a normal code's exponent and
+// mantissa bits (the 7 below the sign) moved to a float32's and rebiased from e4m3's 7 to 127
+// by adding 120 to the exponent field; a subnormal one (exponent field 0) is its mantissa times
+// 2^-9, computed as a float; then the sign. Exact for every finite value (the pools hold no
+// NaN: writes clamp to +-448). (Reading the bits as a float32 and multiplying by 2^120 gives
+// the same values, but through float32 subnormals, which cost a microcode assist per
+// instruction: 2.6x the int8 pool's time.)
 static inline float fp8_e4m3_to_float(uint8_t raw) {
-  const float magnitude = std::bit_cast<float>(static_cast<uint32_t>(raw & 0x7f) << 20) * 0x1p120f;
+  const uint32_t bits = raw & 0x7f;
+  const float magnitude = bits >= 8 ? std::bit_cast<float>((bits << 20) + (120u << 23))
+                                    : static_cast<float>(bits) * 0x1p-9f;
   return std::bit_cast<float>(std::bit_cast<uint32_t>(magnitude) | (static_cast<uint32_t>(raw & 0x80) << 24));
 }
 
@@ -113,9 +117,12 @@ static inline void dequant_row(const S* __restrict__ src, float scale, float* __
       x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
     } else {  // fp8_e4m3_to_float, 16 lanes
       const __m512i b = _mm512_cvtepu8_epi32(raw);
-      const __m512 magnitude = _mm512_mul_ps(
-          _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7f)), 20)),
-          _mm512_set1_ps(0x1p120f));
+      const __m512i bits = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+      const __m512 normal = _mm512_castsi512_ps(
+          _mm512_add_epi32(_mm512_slli_epi32(bits, 20), _mm512_set1_epi32(120 << 23)));
+      const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(bits), _mm512_set1_ps(0x1p-9f));
+      const __m512 magnitude =
+          _mm512_mask_blend_ps(_mm512_cmpge_epu32_mask(bits, _mm512_set1_epi32(8)), subnormal, normal);
       x = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(magnitude),
                                               _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24)));
     }
