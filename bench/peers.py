@@ -419,13 +419,13 @@ def _engine_argv(flags: dict) -> list[str]:
 
 def _vocab_size(model_path: Path) -> int:
     if model_path.is_file():
-        from gguf import GGUFReader
+        from tokenloom.core.loader.gguf_reader import GGUFFile
 
-        fields = GGUFReader(str(model_path)).fields
-        arch = fields["general.architecture"].contents()
-        if f"{arch}.vocab_size" in fields:
-            return int(fields[f"{arch}.vocab_size"].contents())
-        return len(fields["tokenizer.ggml.tokens"].data)
+        meta = GGUFFile(model_path).metadata
+        arch = meta["general.architecture"]
+        if f"{arch}.vocab_size" in meta:
+            return int(meta[f"{arch}.vocab_size"])
+        return len(meta["tokenizer.ggml.tokens"])
     return int(json.loads((model_path / "config.json").read_text())["vocab_size"])
 
 

@@ -42,13 +42,13 @@ def read_checkpoint(path) -> CheckpointInfo:
     path = Path(path)
     try:
         if GGUFFormat().claims(path):
-            from gguf import GGUFReader
+            from tokenloom.core.loader.gguf_reader import GGUFFile
 
-            reader = GGUFReader(str(path))  # tensor data is memory-mapped, never read here
-            arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else "?"
-            meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith(("general.", f"{arch}."))}
+            reader = GGUFFile(path)  # tensor data is memory-mapped, never read here
+            arch = reader.metadata.get("general.architecture", "?")
+            meta = {k: v for k, v in reader.metadata.items() if k.startswith(("general.", f"{arch}."))}
             if f"{arch}.vocab_size" not in meta:  # model_config then counts the tokenizer's tokens
-                meta["tokenizer.ggml.tokens"] = range(len(reader.fields["tokenizer.ggml.tokens"].data))
+                meta["tokenizer.ggml.tokens"] = reader.metadata["tokenizer.ggml.tokens"]
             tensors = [GGUFTensorInfo(t.name, t.tensor_type.name, int(t.n_elements), int(t.n_bytes))
                        for t in reader.tensors]
             names = {t.name for t in tensors}

@@ -119,18 +119,19 @@ def test_template_that_cuts_content_never_parses_its_control_tokens(tok):
     assert chat.warned_unsafe_template  # a cut placeholder stays as text, with a warning
 
 
-@pytest.mark.slow  # reading the GGUF's metadata takes ~3 s
+@pytest.mark.slow  # the embedded model
 def test_embedded_model_ids_unchanged():
-    gguf = pytest.importorskip("gguf")
+    pytest.importorskip("gguf")
     from tokenloom.core.errors import ConfigError
     from tokenloom.core.loader.gguf_file import read_metadata
+    from tokenloom.core.loader.gguf_reader import GGUFFile
     from tokenloom.core.loader.resolve import resolve_model_path
 
     try:
         path = resolve_model_path("smollm2-135m")
     except ConfigError as exc:
         pytest.skip(str(exc))
-    tok = Tokenizer.from_gguf_metadata(read_metadata(gguf.GGUFReader(str(path))))
+    tok = Tokenizer.from_gguf_metadata(read_metadata(GGUFFile(path)))
     question = [{"role": "user", "content": "What is the capital of France?"}]
     ids = encode_prompt(tok, tok.vocab_size, messages=question)
     assert len(ids) == 37 and ids[:3] == [1, 9690, 198]

@@ -68,11 +68,10 @@ def test_token_bytes_spell_out_the_text_byte_for_byte(tok):
 
 @pytest.mark.slow
 def test_token_bytes_of_the_embedded_model():
-    from gguf import GGUFReader
-
     from tokenloom.core.loader.gguf_file import read_metadata
+    from tokenloom.core.loader.gguf_reader import GGUFFile
     from tokenloom.core.loader.resolve import resolve_model_path
 
-    tok = Tokenizer.from_gguf_metadata(read_metadata(GGUFReader(resolve_model_path("smollm2-135m"))))
+    tok = Tokenizer.from_gguf_metadata(read_metadata(GGUFFile(resolve_model_path("smollm2-135m"))))
     text = "The capital of France is Paris. Ünïcödé — 東京 🚀\n\tindented"
     assert b"".join(tok.token_bytes(i) for i in tok.encode(text)) == text.encode()

@@ -123,3 +123,97 @@ def test_unpermute_inverts_permute():
     w = np.arange(12 * 5, dtype=np.float32).reshape(12, 5)
     assert np.array_equal(unpermute_qk(_permute(w, 3), 3), w)
     assert not np.array_equal(_permute(w, 3), w)
+
+
+def _every_kind_of_gguf(path, endianess=None) -> None:
+    """A GGUF with a value of each key/value type (nested arrays included) and tensors of
+    element and block types, 1-D to 3-D."""
+    from gguf import GGUFEndian, GGUFValueType
+
+    w = gguf.GGUFWriter(str(path), "llama", endianess=endianess or GGUFEndian.LITTLE)
+    w.add_uint8("t.u8", 200)
+    w.add_int8("t.i8", -100)
+    w.add_uint16("t.u16", 60000)
+    w.add_int16("t.i16", -30000)
+    w.add_uint32("t.u32", 4_000_000_000)
+    w.add_int32("t.i32", -2_000_000_000)
+    w.add_float32("t.f32", 0.1)
+    w.add_uint64("t.u64", 2**63 + 5)
+    w.add_int64("t.i64", -(2**62))
+    w.add_float64("t.f64", 0.1)
+    w.add_bool("t.bool", True)
+    w.add_string("t.str", "Ünïcödé 日本語 🙂")
+    w.add_array("t.ints", [1, -2, 3])
+    w.add_array("t.floats", [0.5, -1.25, 3.0e-8])
+    w.add_array("t.bools", [True, False, True])
+    w.add_array("t.strs", ["a", "", "ß c"])
+    w.add_key_value("t.nested", [[1, 2], [3]], GGUFValueType.ARRAY)
+    rng = np.random.default_rng(0)
+    w.add_tensor("f32", rng.standard_normal(7).astype(np.float32))
+    w.add_tensor("f16", rng.standard_normal((3, 5)).astype(np.float16))
+    w.add_tensor("i32", np.arange(12, dtype=np.int32).reshape(3, 4))
+    for qtype in (Q.Q4_1, Q.Q8_0):
+        data = rng.standard_normal((4, 256)).astype(np.float32)
+        w.add_tensor(qtype.name, quantize(data, qtype), raw_dtype=qtype)
+    w.add_tensor("q4_k", rng.integers(0, 256, (4, 144), dtype=np.uint8), raw_dtype=Q.Q4_K)  # raw blocks
+    w.add_tensor("experts", quantize(rng.standard_normal((2, 3, 64)).astype(np.float32), Q.Q8_0), raw_dtype=Q.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("endianess", ["little", "big"])
+def test_our_reader_gives_the_packages_values_and_tensors(tmp_path, endianess):
+    from gguf import GGUFEndian, GGUFReader
+
+    from tokenloom.core.loader.gguf_reader import GGUFFile
+
+    path = tmp_path / "kinds.gguf"
+    _every_kind_of_gguf(path, GGUFEndian.BIG if endianess == "big" else GGUFEndian.LITTLE)
+    ours, theirs = GGUFFile(path), GGUFReader(str(path))
+    expected = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    nested = expected.pop("t.nested")  # the package flattens an array of arrays; we keep its shape
+    assert ours.metadata.pop("t.nested") == [[1, 2], [3]] and nested == [1, 2, 3]
+    assert ours.metadata == expected
+    assert ours.metadata["t.u64"] == 2**63 + 5 and ours.metadata["t.str"] == "Ünïcödé 日本語 🙂"
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (a.tensor_type, a.shape, a.n_elements, a.n_bytes, a.data_offset) == \
+            (b.tensor_type, tuple(int(x) for x in b.shape), b.n_elements, b.n_bytes, b.data_offset), a.name
+        assert a.data.shape == b.data.shape and a.data.dtype == b.data.dtype, a.name
+        np.testing.assert_array_equal(a.data, b.data)
+
+
+def test_our_reader_reads_the_embedded_model_as_the_package_does():
+    from gguf import GGUFReader
+
+    from tokenloom.core.loader.gguf_reader import GGUFFile
+    from tokenloom.core.loader.resolve import resolve_model_path
+
+    path = resolve_model_path("smollm2-135m")
+    ours, theirs = GGUFFile(path), GGUFReader(str(path))
+    assert ours.metadata == {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert len(ours.metadata["tokenizer.ggml.tokens"]) == 49152
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (a.name, a.tensor_type, a.shape) == (b.name, b.tensor_type, tuple(int(x) for x in b.shape))
+        np.testing.assert_array_equal(a.data, b.data)
+
+
+def test_a_truncated_or_foreign_file_is_refused_naming_it(tmp_path):
+    from tokenloom.core.loader.gguf_reader import GGUFFile
+
+    path = tmp_path / "kinds.gguf"
+    _every_kind_of_gguf(path)
+    whole = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole[: len(whole) - 100])
+    with pytest.raises(ValueError, match="cut.gguf.*runs past the end"):
+        GGUFFile(cut)
+    cut.write_bytes(whole[:200])
+    with pytest.raises(ValueError, match="cut.gguf: the header runs past the end"):
+        GGUFFile(cut)
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(ValueError, match="other.gguf: not a GGUF file"):
+        GGUFFile(other)

@@ -232,12 +232,11 @@ def test_gguf_gives_transformers_greedy_ids(family):
 def test_gguf_config_is_the_hf_config(family):
     """What the engine reads from the GGUF is what it reads from the HF directory, but for
     the fields the formats store differently (Gemma's norms carry their + 1 in the file)."""
-    from gguf import GGUFReader
-
     from tokenloom.core.loader.gguf_file import read_metadata
+    from tokenloom.core.loader.gguf_reader import GGUFFile
 
     name, path, _ = family
-    meta = read_metadata(GGUFReader(str(path)))
+    meta = read_metadata(GGUFFile(path))
     ours = default_registry().for_gguf(meta["general.architecture"]).config_from_gguf(meta)
     hf = default_registry().for_hf(json.loads((path.parent / "config.json").read_text())) \
         .config_from_hf(json.loads((path.parent / "config.json").read_text()))
@@ -411,14 +410,13 @@ def test_llama_cpp_converter(converted, name):
 def test_writer_writes_what_the_converter_writes(converted, name, tmp_path):
     """This file's writer against llama.cpp's converter on the same directory: the same model
     keys with the same values, the same tensors with the same values."""
-    from gguf import GGUFReader
-
     from tokenloom.core.loader.gguf_file import read_metadata
+    from tokenloom.core.loader.gguf_reader import GGUFFile
 
     path, _ = converted[name]
     ours = tmp_path / "ours.gguf"
     write_gguf(path.parent / name, ours)
-    readers = GGUFReader(str(path)), GGUFReader(str(ours))
+    readers = GGUFFile(path), GGUFFile(ours)
     theirs_meta, ours_meta = (
         {k: v for k, v in read_metadata(r).items() if not k.startswith(("general.", "tokenizer."))} for r in readers)
     assert ours_meta == theirs_meta

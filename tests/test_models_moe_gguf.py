@@ -147,14 +147,13 @@ def test_gguf_gives_transformers_greedy_ids(family):
 
 
 def test_gguf_config_reads_the_experts(family):
-    from gguf import GGUFReader
-
     from tokenloom.core.loader.gguf_file import load_gguf, read_metadata
+    from tokenloom.core.loader.gguf_reader import GGUFFile
     from tokenloom.core.models.registry import default_registry
 
     name, path, _ = family
     hf = json.loads((path.parent / "config.json").read_text())
-    meta = read_metadata(GGUFReader(str(path)))
+    meta = read_metadata(GGUFFile(path))
     cfg = default_registry().for_gguf(meta["general.architecture"]).config_from_gguf(meta)
     assert cfg.architecture == ("mixtral" if name == "mixtral" else "qwen3_moe")
     assert cfg.moe is not None and cfg.moe.norm_topk_prob and cfg.moe.dense_layers == ()
@@ -248,14 +247,13 @@ def test_llama_cpp_converter(converted, name):
 @pytest.mark.parametrize("name", ["mixtral", "qwen3-moe"])
 def test_writer_writes_what_the_converter_writes(converted, name, tmp_path):
     """This file's writer against llama.cpp's converter: the same model keys and tensors."""
-    from gguf import GGUFReader
-
     from tokenloom.core.loader.gguf_file import read_metadata
+    from tokenloom.core.loader.gguf_reader import GGUFFile
 
     path, _ = converted[name]
     ours = tmp_path / "ours.gguf"
     write_moe_gguf(path.parent / name, ours)
-    readers = GGUFReader(str(path)), GGUFReader(str(ours))
+    readers = GGUFFile(path), GGUFFile(ours)
     theirs_meta, ours_meta = (
         {k: v for k, v in read_metadata(r).items() if not k.startswith(("general.", "tokenizer."))} for r in readers)
     assert ours_meta == theirs_meta

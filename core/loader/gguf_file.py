@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from tokenloom.core.loader import LoadedCheckpoint
+from tokenloom.core.loader.gguf_reader import GGUFFile
 from tokenloom.core.models.config import ModelConfig
 from tokenloom.core.models.registry import default_registry
 from tokenloom.core.tokenizer import Tokenizer
@@ -87,19 +88,12 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 GGUF_TABLES = ("rope_freqs", "rope_factors_long", "rope_factors_short")
 
 
-def read_metadata(reader) -> dict:
+def read_metadata(reader: GGUFFile) -> dict:
     """The file's key/values, and the values of its ``GGUF_TABLES`` tensors as float tuples
     under ``tensor.<name>`` (what the model families read their RoPE scaling from)."""
     from gguf.quants import dequantize
 
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception:  # a field type this gguf version cannot decode; we do not need it
-            continue
+    meta = dict(reader.metadata)
     for t in reader.tensors:
         name = t.name.removesuffix(".weight")
         if name in GGUF_TABLES:
@@ -137,11 +131,10 @@ def _split_experts(t, name: str, qtype: str, dtype: torch.dtype, weights: dict) 
 
 def load_gguf(path: Path, dtype: torch.dtype, progress: Callable[[int, int], None] | None = None,
               models: ModelRegistry | None = None) -> LoadedCheckpoint:
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
     models = models or default_registry()
-    reader = GGUFReader(str(path))
+    reader = GGUFFile(path)
     meta = read_metadata(reader)
     arch = models.for_gguf(meta.get("general.architecture", "?"))
     cfg = arch.config_from_gguf(meta)

@@ -35,10 +35,9 @@ CONTROL, USER_DEFINED = 3, 4
 
 
 def gguf_metadata(path: Path) -> dict:
-    from gguf import GGUFReader
+    from tokenloom.core.loader.gguf_reader import GGUFFile
 
-    reader = GGUFReader(str(path))
-    return {k: f.contents() for k, f in reader.fields.items() if k.startswith(("tokenizer.", "general.name"))}
+    return {k: v for k, v in GGUFFile(path).metadata.items() if k.startswith(("tokenizer.", "general.name"))}
 
 
 def build_tokenizer(meta: dict):
