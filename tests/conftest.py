@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
+from pathlib import Path
+
+# The repository's top-level folders are tokenloom's subpackages (tokenloom.kernels, ...), not
+# top-level packages. `python -m pytest` puts the working directory first on sys.path, where
+# kernels/ would shadow Hugging Face's `kernels` package, which transformers (5.x) imports
+# with its model classes; tests import tokenloom as installed, never from the root.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
 
 # Tests never auto-load installed plugins; the plugin test turns it on explicitly.
 os.environ.setdefault("TOKENLOOM_DISABLE_PLUGIN_AUTOLOAD", "1")
