@@ -15,7 +15,8 @@ dtype (``auto``, ``fp8``, ``int8``):
    ``decode_attention_block`` (RoPE, KV write, attention; skipped when it returns None);
 4. ``copy_blocks`` (a full block and a partial one) and ``move_kv_slots``, each checked by
    attention through a block table that points at the copies;
-5. ``rms_norm``, ``add_rms_norm`` (with and without a delta), ``silu_mul``;
+5. ``rms_norm``, ``add_rms_norm`` (with and without a delta), ``silu_mul``, ``argmax`` (ties
+   and NaN included: the same index exactly);
 6. ``pack_linear(spec).apply(x)`` at 1, 3 and 17 rows for a dense weight, 4-bit
    (group-wise and act-order), 8-bit and fp8 specs, against the dense matmul of the
    dequantised weight;
@@ -465,6 +466,14 @@ class _Kit:
             gate, up = self.randn(T, N, dtype=dtype, scale=2.0), self.randn(T, N, dtype=dtype)
             got, want = [b.silu_mul(gate, up) for b in self.backends]
             self.check("silu_mul", where, got, want, dtype)
+            scores = self.randn(T, N * 37, dtype=dtype)
+            scores[0, 5:] = scores[0, :5].max()  # a tie: the first index
+            if T > 1:
+                scores[T - 1, 11] = scores[T - 1, 3] = float("nan")  # a NaN wins, the first one
+            got, want = [b.argmax(scores).cpu() for b in self.backends]
+            if not torch.equal(got, want):
+                raise ConformanceError(f"argmax at {where}: {got.tolist()} != {want.tolist()}")
+            self.report["argmax"] = 0.0
         for T, H, D in ((5, 12, 64), (1, 4, 128)):  # q and k heads together (GQA 9 + 3), odd T
             where = f"x [{T}, {H}, {D}]; dtype={str(dtype).removeprefix('torch.')}"
             x = self.randn(T, H, D, dtype=dtype)
@@ -472,6 +481,11 @@ class _Kit:
             cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
             got, want = [b.rope(x, cos, sin) for b in self.backends]
             self.check("rope", where, got, want, dtype)
+            got, want = [b.rope(x, cos, sin, dtype) for b in self.backends]  # rounded to the model dtype
+            self.check("rope", f"{where}, out_dtype={str(dtype).removeprefix('torch.')}", got, want, dtype)
+            view = self.randn(T, H + 2, D, dtype=dtype)[:, :H]  # heads of a wider row, as q and k of qkv
+            got, want = [b.rope(view, cos, sin, dtype) for b in self.backends]
+            self.check("rope", f"{where}, strided rows", got, want, dtype)
 
     def captured_step(self, dtype: torch.dtype) -> None:
         """The captured step of three two-layer models against the same model op by op: a

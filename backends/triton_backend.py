@@ -184,8 +184,11 @@ class TritonBackend(TorchBackend):
         self.write_kv(k_cache, v_cache, k, x[:, num_heads + kv_heads:], meta.slot_mapping)
         return self.attention(q, None, None, k_cache, v_cache, meta, scale).view(T, num_heads * head_dim)
 
-    def rope(self, x, cos, sin):
-        return self.kernels.rope(x, cos, sin, out_dtype=torch.float32)
+    def rope(self, x, cos, sin, out_dtype=None):
+        return self.kernels.rope(x, cos, sin, out_dtype=out_dtype or torch.float32)
+
+    def argmax(self, x):
+        return x.argmax(dim=-1)
 
     def rms_norm(self, x, weight, eps: float):
         return self.kernels.rms_norm(x, weight, eps)

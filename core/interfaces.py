@@ -505,12 +505,19 @@ class Backend(Protocol):
         rows may share a block table (a draft chain: ``AttentionInputs``), so every row's K/V
         is written before any row attends."""
 
-    def rope(self, x, cos, sin):
+    def rope(self, x, cos, sin, out_dtype: torch.dtype | None = None):
         """Rotary embedding, rotate-half (neox) form: ``x [T, heads, head_dim]`` (q and k heads
-        together, any float dtype) by float32 ``cos``/``sin`` ``[T, 1, head_dim]`` of each
-        token's position; returns float32 ``[T, heads, head_dim]``."""
+        together, any float dtype; rows may be strided views of the qkv projection) by float32
+        ``cos``/``sin`` ``[T, 1, head_dim]`` of each token's position, computed in float32;
+        returns ``[T, heads, head_dim]`` rounded to ``out_dtype`` (None: float32; the model
+        calls it with its dtype: the q and k it attends with)."""
 
     def rms_norm(self, x, weight, eps: float): ...
+
+    def argmax(self, x) -> torch.Tensor:
+        """``torch.argmax(x, dim=-1)`` of ``x [B, V]`` (logits, or a sampler's scores): per
+        row the first index of its maximum, a row with a NaN its first NaN; int64 ``[B]``.
+        The sampler picks every greedy token (and every sampled one, from p / E) with it."""
 
     def add_rms_norm(self, h, delta, weight, eps: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual add and the next RMSNorm together: ``(rms_norm(h + delta) in dtype,

@@ -87,7 +87,7 @@ class ModelRunner:
             self.model.capture()
         self.num_blocks = 0
         self.kv_caches: list = []
-        self.sampler = Sampler(seed, device)
+        self.sampler = Sampler(seed, device, backend.argmax)
         self.step_buffers = StepBuffers(device)  # the step's tables and lengths, written in place
         self.adapters: AdapterManager | None = None  # attach_adapters
 

@@ -13,6 +13,7 @@ verifies a draft gives ``SamplingRow.of(seq, drafts_before_it)`` (its penalties 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -53,8 +54,11 @@ class SamplingRow(NamedTuple):
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, device: str | torch.device = "cpu"):
+    def __init__(self, seed: int = 0, device: str | torch.device = "cpu",
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """``argmax``: the backend's (``Backend.argmax``), ``torch.argmax(x, -1)`` if None."""
         self.device = torch.device(device)
+        self.argmax = argmax or (lambda x: x.argmax(dim=-1))
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._seq_generators: dict[int, torch.Generator] = {}
 
@@ -70,7 +74,7 @@ class Sampler:
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self.apply_penalties(logits, rows)
-        tokens = logits.argmax(dim=-1)
+        tokens = self.argmax(logits)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
             idx = torch.tensor(random_rows, device=logits.device)
@@ -168,7 +172,7 @@ class Sampler:
         # A zero draw would make 0/0 = nan, which argmax picks: clamp it to the smallest normal
         # float (a change of ~1e-38 in probability) so a token of probability 0 never wins.
         noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-        return (probs / noise).argmax(dim=-1)
+        return self.argmax(probs / noise)
 
     def generator_for(self, row: SamplingRow) -> torch.Generator:
         """The generator ``row``'s draws come from: the shared one, or for a seeded request

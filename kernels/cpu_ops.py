@@ -1,6 +1,6 @@
 """C++ ops for CPUs: decode attention that reads the KV blocks where they lie, matmuls over
-quantised weights, and the residual add fused with RMSNorm. (A SwiGLU silu * up measured
-2-6x slower than torch's two vectorised ops, so there is none.)
+quantised weights, the residual add fused with RMSNorm, RoPE over a prefill's rows and the
+sampler's greedy argmax.
 
 The torch path (``TorchBackend._decode``) gathers every sequence's padded context into a
 new tensor in every layer, converts it, and runs ~20 small ops; at batch 1 on the embedded
@@ -22,7 +22,13 @@ The C++ lives in ``kernels/csrc/`` (shipped as package data):
   above the quantised kernel's row threshold runs instead of a dense copy where
   ``amx_ready()``;
 - ``rms_norm.h``: ``add_rms_norm``, the residual add fused with RMSNorm;
-- ``common.h``: the row-to-float32 conversion they all use;
+- ``elementwise.h``: ``rope_rows`` (RoPE over strided rows, rounded once to the output
+  dtype: the same values as ``apply_rope(...).to(dtype)``, in one pass instead of ~8 torch
+  ops and two copies), ``argmax_rows`` (torch's index: the first maximum, the first NaN) and
+  ``silu_mul`` (SwiGLU, rounded as ``F.silu(g) * up`` is; no faster than torch's two ops,
+  so only the batch-invariant mode uses it);
+- ``common.h``: what they all use: rows to and from float32, a vector ``exp``, rounding to
+  a dtype;
 - ``cpu_ops.cpp``: the captured decode step (``StepLinear``, ``DecodeStep``), which calls
   the ops above, and the Python bindings of everything (``PYBIND11_MODULE``). It includes
   the headers: one translation unit, since torch's headers are most of the compile time

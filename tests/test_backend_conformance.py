@@ -73,10 +73,10 @@ class NormWithoutWeight(_Broken):
 
 
 class InterleavedRope(_Broken):  # GPT-J's pairing instead of rotate-half
-    def rope(self, x, cos, sin):
+    def rope(self, x, cos, sin, out_dtype=None):
         pairs = x.float().unflatten(-1, (-1, 2))
         rotated = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
-        return x.float() * cos + rotated * sin
+        return (x.float() * cos + rotated * sin).to(out_dtype or torch.float32)
 
 
 class ScalesNotCounted(_Broken):

@@ -452,3 +452,57 @@ def test_the_generic_build_passes_the_same_tests():
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     assert " passed" in res.stdout and "skipped" not in res.stdout
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rope_rows_gives_apply_ropes_values_exactly(ops, dtype):
+    """The prefill RoPE (one pass) against core/attention.py's reference rounded as the model
+    rounds it: bit for bit, on the q and k heads of a wider qkv row (strided rows), float32 out
+    and the model's dtype out, at a row count that splits between threads and one that does not."""
+    g = torch.Generator().manual_seed(3)
+    for T in (1, 5, 300):
+        qkv = (torch.randn(T, 15 * 64, generator=g) * 3).to(dtype)
+        x = qkv[:, :12 * 64].view(T, 12, 64)  # 9 q heads + 3 k heads; v follows in the row
+        angles = torch.rand(T, 1, 32, generator=g) * 500
+        cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+        for out in (torch.float32, dtype):
+            got, want = ops.rope_rows(x, cos, sin, out), apply_rope(x, cos, sin).to(out)
+            assert got.dtype == out and torch.equal(got, want), (T, out, (got.float() - want.float()).abs().max())
+    with pytest.raises(RuntimeError, match="heads contiguous"):
+        ops.rope_rows(torch.zeros(2, 64, 3).transpose(1, 2), cos[:2], sin[:2], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_rows_picks_torchs_index(ops, dtype):
+    """The sampler's argmax: torch.argmax's index exactly, ties (the first), NaN (the first NaN
+    wins), all -inf, strided rows, and a row count that splits between threads."""
+    g = torch.Generator().manual_seed(0)
+    for B, V in ((1, 1), (3, 7), (5, 49152), (64, 4099)):
+        x = torch.randn(B, V, generator=g).to(dtype)
+        assert torch.equal(ops.argmax_rows(x), x.argmax(-1)), (B, V)
+    ties = torch.randint(0, 3, (8, 100), generator=g).to(dtype)
+    assert torch.equal(ops.argmax_rows(ties), ties.argmax(-1))
+    x = torch.randn(4, 50, generator=g).to(dtype)
+    x[1, 30] = x[2, 40] = x[2, 3] = float("nan")
+    x[3] = float("-inf")
+    assert ops.argmax_rows(x).tolist() == x.argmax(-1).tolist() == [int(x[0].argmax()), 30, 3, 0]
+    x = torch.randn(6, 70, generator=g).to(dtype)[:, 3:]
+    assert torch.equal(ops.argmax_rows(x), x.argmax(-1))
+
+
+def test_silu_mul_rounds_as_torch_does(ops):
+    """The batch-invariant mode's SwiGLU: F.silu(gate) * up's two roundings in bf16 / fp16 (its
+    own exp differs from torch's by an ulp or two in float32, so an element on a rounding
+    boundary may round the other way: at most one in a thousand, by one unit), float32 within
+    an ulp or two."""
+    g = torch.Generator().manual_seed(1)
+    gu = torch.randn(37, 2 * 1536, generator=g) * 3
+    for dtype in (torch.bfloat16, torch.float16):
+        gate, up = gu.to(dtype).chunk(2, -1)
+        got, want = ops.silu_mul(gate, up).float(), (torch.nn.functional.silu(gate) * up).float()
+        off = got != want
+        assert off.float().mean() <= 1e-3
+        ulp = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - {torch.bfloat16: 7, torch.float16: 10}[dtype])
+        assert ((got - want).abs()[off] <= 2 * ulp[off]).all()
+    gate, up = gu.chunk(2, -1)
+    torch.testing.assert_close(ops.silu_mul(gate, up), torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)

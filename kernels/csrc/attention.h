@@ -21,24 +21,6 @@
 #include <immintrin.h>
 #endif
 
-// exp for float32 that the compiler vectorises (std::exp stays a scalar call): Cephes'
-// expf, range-reduced by powers of two with ln 2 split in two, a degree-6 polynomial; within
-// ~2 ulp of std::exp on [-87.3, 88.7] (clamped there). k = round(x / ln 2) by the 1.5 * 2^23
-// trick: std::floor, as Cephes has it, kept GCC from vectorising the loop at all.
-static inline float vec_exp(float x) {
-  x = x < -87.3365f ? -87.3365f : (x > 88.7228f ? 88.7228f : x);  // (std::min/max take references: not vectorised)
-  const float k = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
-  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  return p * std::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
-}
-
 // The G query heads of one KV head (qf [G, D], already scaled) against the first L tokens of
 // one sequence, read block by block where they lie (caches [KVH, NB, BS, D]); acc [G, D] gets
 // the softmax-weighted values. float32 throughout; scores is scratch of G * L, kf of BS * D.
@@ -69,19 +51,6 @@ static inline float fp8_e4m3_to_float(uint8_t raw) {
   const float magnitude = bits >= 8 ? std::bit_cast<float>((bits << 20) + (120u << 23))
                                     : static_cast<float>(bits) * 0x1p-9f;
   return std::bit_cast<float>(std::bit_cast<uint32_t>(magnitude) | (static_cast<uint32_t>(raw & 0x80) << 24));
-}
-
-template <typename R>
-static inline float round_to(float x) {
-  if constexpr (std::is_same_v<R, float>) {
-    return x;
-  } else if constexpr (std::is_same_v<R, c10::BFloat16>) {  // round to nearest even on the bits (finite x)
-    uint32_t u = std::bit_cast<uint32_t>(x);
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    return std::bit_cast<float>(u);
-  } else {
-    return static_cast<float>(static_cast<R>(x));
-  }
 }
 
 #if defined(__AVX512F__)
@@ -558,36 +527,6 @@ inline at::Tensor slot_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_
                                          lens[t], G, scores, kf.data(), acc.data(), window_start(lens[t], window),
                                          static_cast<float>(softcap));
         for (int64_t x = 0; x < G * D; ++x) op[(t * H + g * G) * D + x] = static_cast<scalar_t>(acc[x]);
-      }
-    });
-  });
-  return out;
-}
-
-// SwiGLU's silu(gate) * up, row by row: gate, up [T, F] (rows may be strided views, e.g. the
-// halves of the fused gate/up projection), any float dtype; computed in float32 and rounded
-// once to their dtype. Every row runs the same loop, so a row's values do not depend on the
-// row count (torch's elementwise ops split a large tensor between threads at arbitrary
-// points, and a piece's last elements take a scalar path whose exp rounds differently).
-inline at::Tensor silu_mul(at::Tensor gate, at::Tensor up) {
-  RECORD_FUNCTION("tokenloom::silu_mul", std::vector<c10::IValue>());
-  TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() && up.scalar_type() == gate.scalar_type(),
-              "gate, up: [T, F] alike");
-  TORCH_CHECK(gate.stride(1) == 1 && up.stride(1) == 1, "gate, up: contiguous rows");
-  const int64_t T = gate.size(0), F = gate.size(1), gs = gate.stride(0), us = up.stride(0);
-  auto out = at::empty({T, F}, gate.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "silu_mul", [&] {
-    const scalar_t* gp = gate.data_ptr<scalar_t>();
-    const scalar_t* upp = up.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, T, T * F < (1 << 15) ? T : 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> g(F), u(F);
-      for (int64_t r = begin; r < end; ++r) {
-        row_to_float(gp + r * gs, g.data(), F);
-        row_to_float(upp + r * us, u.data(), F);
-_Pragma("omp simd")  // (a #pragma cannot stand inside the dispatch macro's argument)
-        for (int64_t i = 0; i < F; ++i) g[i] = g[i] / (1.f + vec_exp(-g[i])) * u[i];
-        for (int64_t i = 0; i < F; ++i) op[r * F + i] = static_cast<scalar_t>(g[i]);
       }
     });
   });

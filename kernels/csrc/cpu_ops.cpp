@@ -8,6 +8,7 @@
 
 #include "amx_matmul.h"
 #include "attention.h"
+#include "elementwise.h"
 #include "quant_matmul.h"
 #include "rms_norm.h"
 
@@ -245,6 +246,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slot_rows"), py::arg("q_row"), py::arg("q_len"), py::arg("scale"), py::arg("window") = 0,
         py::arg("softcap") = 0.0);
   m.def("silu_mul", &silu_mul);
+  m.def("rope_rows", &rope_rows);
+  m.def("argmax_rows", &argmax_rows);
   m.def("amx_ready", &amx::ready);
   m.def("amx_matmul", &amx_matmul, py::arg("x"), py::arg("codes"), py::arg("sm"), py::arg("bits"), py::arg("group"),
         py::arg("float_out") = false);

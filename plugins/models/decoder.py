@@ -151,13 +151,12 @@ class DecoderLayer(nn.Module):
         if self.fused_attention:
             attn = backend.decode_attention_block(qkv, cos, sin, k_cache, v_cache, meta, cfg.num_heads, scale)
         if attn is None:  # op by op (a prefill in the step, a window or soft-cap, or no fused path)
-            # q and k rotate together: one RoPE over [T, heads + kv_heads, head_dim], in float32
-            # (the float32 cos/sin promote a bf16 qkv: the same values as converting it first,
-            # without a copy op)
+            # q and k rotate together: one RoPE over [T, heads + kv_heads, head_dim], computed in
+            # float32 and rounded to the model dtype
             qk = qkv[:, :cfg.q_size + cfg.kv_size].view(T, -1, cfg.head_dim)
             rot = cfg.rotary_dim
             if rot == cfg.head_dim:
-                qk = backend.rope(qk, cos, sin)
+                qk = backend.rope(qk, cos, sin, dtype)
             else:  # partial rotary: the first ``rot`` dims of each head turn, the rest pass
                 qk = torch.cat([backend.rope(qk[..., :rot], cos, sin), qk[..., rot:].float()], dim=-1)
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
