@@ -55,6 +55,10 @@ def _run(cmd: list[str], *, cwd: Path, timeout: float = BUILD_TIMEOUT, env=None,
 def _build_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env.update(PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1", PIP_NO_INDEX="1")
+    # The builds run in the source tree without isolation, in a venv that has Hugging Face's
+    # `kernels` (transformers 5.25 depends on it; it registers a setuptools egg_info writer):
+    # with the working directory on sys.path (`python -c`) its import found our kernels/.
+    env["PYTHONSAFEPATH"] = "1"
     return env
 
 
