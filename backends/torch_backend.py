@@ -562,7 +562,7 @@ class TorchBackend:
     def rope(self, x, cos, sin, out_dtype=None):
         """Rotate-half RoPE, core/attention.py's ``apply_rope`` (the reference) rounded to
         ``out_dtype`` (None: float32): with the C++ ops one pass (``rope_rows``, the same values) instead of
-        five torch ops and their temporaries; else ``apply_rope`` (float32 cos/sin promote a
+        about eight torch ops and two copies; else ``apply_rope`` (float32 cos/sin promote a
         bf16 ``x``: the same values as converting it first, without a copy op)."""
         if (self.fused_decode is not None and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
                 and cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()):
