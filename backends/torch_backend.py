@@ -76,7 +76,10 @@ class TorchBackendOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
     # amx_matmul (kernels/csrc/amx_matmul.h: bfloat16 tiles widened from the codes as they
     # are read, on Intel AMX) up to 64 rows and the dense copy above (prompt chunks); "copy"
     # the dense bfloat16 copy (oneDNN) throughout; "auto" takes amx where the CPU and the
-    # build have AMX-BF16, else copy.
+    # build have AMX-BF16, else copy. "q8" (asked for by name; any model dtype): the C++
+    # q8_matmul (kernels/csrc/q8_matmul.h) for 4-bit and 8-bit weights, activations rounded
+    # to 8 bits in blocks of 32 and multiplied with the codes as bytes on AVX512-VNNI
+    # (llama.cpp's arithmetic); no dense copy is kept.
     quant_dense: str = "auto"
     # Decode attention on CPU: "fused" reads the KV blocks in place with one C++ op
     # (kernels/cpu_ops.py, built on first use); "torch" gathers each context with
@@ -218,10 +221,10 @@ class TorchBackend:
             from tokenloom.core.errors import ConfigError
 
             raise ConfigError(f"backend.quant_kernel must be auto, cpp or torch, got {options.quant_kernel!r}")
-        if options.quant_dense not in ("auto", "amx", "copy"):
+        if options.quant_dense not in ("auto", "amx", "copy", "q8"):
             from tokenloom.core.errors import ConfigError
 
-            raise ConfigError(f"backend.quant_dense must be auto, amx or copy, got {options.quant_dense!r}")
+            raise ConfigError(f"backend.quant_dense must be auto, amx, copy or q8, got {options.quant_dense!r}")
         self.quant_dense = options.quant_dense
         self.quant_ops = None  # the C++ ops whose quant_matmul runs quantised weights, when in use
         # this step's floor under the quantised weights' row thresholds (set by prepare)
@@ -236,10 +239,15 @@ class TorchBackend:
                 raise ConfigError("backend.quant_kernel = cpp, but the C++ ops could not be built: "
                                   f"{cpu_ops.unavailable_reason()}")
         # the C++ ops whose amx_matmul stands in for quant_matmul weights' dense copies, or None
-        self.amx_ops = self.quant_ops if self.quant_ops is not None and self.quant_dense != "copy" and \
+        self.amx_ops = self.quant_ops if self.quant_ops is not None and self.quant_dense in ("auto", "amx") and \
             self.quant_ops.amx_ready() else None
         if self.quant_dense == "amx":
             self._check_amx(options)
+        # the C++ ops whose q8_matmul stands in for quant_matmul weights' dense copies, or None
+        self.q8_ops = self.quant_ops if self.quant_ops is not None and self.quant_dense == "q8" and \
+            self.quant_ops.q8_ready() else None
+        if self.quant_dense == "q8":
+            self._check_q8(options)
         self.batch_invariant = options.batch_invariant
         if self.batch_invariant:
             self._check_batch_invariant(options)
@@ -272,6 +280,28 @@ class TorchBackend:
             why = "this CPU or build has no AMX-BF16 (kernels/csrc/amx_matmul.h: amx_ready() is False)"
         if why is not None:
             raise ConfigError(f"backend.quant_dense = amx, but {why}; use auto or copy")
+
+    def _check_q8(self, options: TorchBackendOptions) -> None:
+        """``quant_dense = q8``: refused, naming why, wherever q8_matmul would not run."""
+        from tokenloom.core.errors import ConfigError
+
+        why = None
+        if self.device.type != "cpu":
+            why = f"q8_matmul is a CPU kernel and the device is {str(self.device)!r}"
+        elif options.quant_kernel == "torch":
+            why = "backend.quant_kernel = torch runs torch's int4 / int8 kernels, not the C++ quant_matmul q8 follows"
+        elif options.batch_invariant:
+            why = "batch_invariant keeps the quantised kernels at every row count"
+        elif options.quant_max_rows == 0:
+            why = "backend.quant_max_rows = 0 keeps the quantised kernels at every row count"
+        elif self.quant_ops is None:
+            from tokenloom.kernels import cpu_ops
+
+            why = f"the C++ ops could not be built: {cpu_ops.unavailable_reason()}"
+        elif self.q8_ops is None:
+            why = "this CPU or build has no AVX512-VNNI (kernels/csrc/q8_matmul.h: q8_ready() is False)"
+        if why is not None:
+            raise ConfigError(f"backend.quant_dense = q8, but {why}; use auto or copy")
 
     def _check_batch_invariant(self, options: TorchBackendOptions) -> None:
         """The batch-invariant mode: every row of a step takes the same kernels, whose reduction
@@ -606,7 +636,7 @@ class TorchBackend:
                               "there, or quant_dense auto or copy")
         lw = pack(spec, dtype, cpu_linear=self.cpu_linear, quant_max_rows=self.quant_max_rows,
                   int8_regroup=self.int8_regroup, quant_ops=self.quant_ops, step_rows=self.step_rows,
-                  amx_ops=self.amx_ops)
+                  amx_ops=self.amx_ops, q8_ops=self.q8_ops)
         if self.batch_invariant and not isinstance(lw, (Int4Linear, Int8Linear, QuantMatmulLinear)):
             from tokenloom.core.errors import ConfigError
 

@@ -276,6 +276,50 @@ class AmxLinear:
         return 0  # (the QuantMatmulLinear's codes and scales)
 
 
+class Q8Linear:
+    """What a :class:`QuantMatmulLinear` runs above its row threshold under
+    ``backend.quant_dense = "q8"``: the C++ ``q8_matmul`` (kernels/csrc/q8_matmul.h), which
+    rounds each row's activations to 8 bits in blocks of 32 (llama.cpp's Q8 blocks) and
+    multiplies them with the codes (4-bit, or symmetric 8-bit ones as unsigned bytes, GGUF
+    Q8_0's value + 128) as bytes (AVX512-VNNI): twice the multiply-adds an
+    instruction of a bfloat16 GEMM, at the cost of that rounding. A row's result does not
+    depend on the rows beside it. It keeps its own copy of the codes (a byte a weight, in the
+    kernel's layout: half a bfloat16 copy) and float32 scales; no dense copy is built."""
+
+    __slots__ = ("codes", "sm", "bits", "group_size", "out_features", "in_features", "kernel", "_op")
+
+    def __init__(self, qw: QuantizedWeight, op):
+        self.out_features, self.in_features = out, inp = qw.shape
+        self.bits, self.group_size, self._op = qw.bits, qw.group_size, op
+        groups = inp // qw.group_size
+        c = qw.codes.to(torch.uint8).contiguous().view(out // 16, 16, inp // 4, 4)
+        self.codes = c.permute(0, 2, 1, 3).contiguous()  # [N/16, K/4, 16, 4]: a code a byte
+        scales = qw.scales.to(torch.float32)
+        offsets = -qw.zeros.to(torch.float32) * scales
+        sm = torch.stack([scales.view(out // 16, 16, groups), offsets.view(out // 16, 16, groups)], dim=1)
+        self.sm = sm.permute(0, 3, 1, 2).contiguous()  # [N/16, groups, 2, 16]
+        self.kernel = f"q8_matmul int{qw.bits} g{qw.group_size} (8-bit activations in blocks of 32, int32 sums)"
+
+    @staticmethod
+    def fits(qw: QuantizedWeight) -> bool:
+        """4-bit codes, or symmetric 8-bit ones (every zero point 128), in groups (and rows) of a
+        multiple of 32, 32 | out."""
+        out, inp = qw.shape
+        bits_fit = qw.bits == 4 or (qw.bits == 8 and bool((qw.zeros == 128).all()))
+        return bits_fit and qw.g_idx is None and qw.group_size % 32 == 0 and inp % qw.group_size == 0 and \
+            out % 32 == 0
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.dtype not in (torch.float32, torch.bfloat16):
+            return self._op(x2.float(), self.codes, self.sm, self.bits, self.group_size).to(x.dtype).view(
+                *x.shape[:-1], self.out_features)
+        return self._op(x2, self.codes, self.sm, self.bits, self.group_size).view(*x.shape[:-1], self.out_features)
+
+    def nbytes(self) -> int:
+        return 0  # (the QuantMatmulLinear's codes and scales are what a few-row step reads)
+
+
 def _float16_holds(t: torch.Tensor) -> bool:
     """Whether float16 holds every value of ``t`` exactly (GGUF's float16 scales, subnormal
     ones included) or to float16's own precision (a relative error of at most 2^-11, as for a
@@ -322,21 +366,23 @@ def per_channel_int8(qw: QuantizedWeight) -> QuantizedWeight:
 
 
 def pack(spec: WeightSpec, dtype: torch.dtype, *, cpu_linear: str, quant_max_rows: int, int8_regroup: bool = True,
-         quant_ops=None, step_rows: StepRows | None = None, amx_ops=None):
+         quant_ops=None, step_rows: StepRows | None = None, amx_ops=None, q8_ops=None):
     """The torch backend's choice of LinearWeight for ``spec`` (see the module docstring);
     ``quant_ops``: the C++ ops module whose ``quant_matmul`` takes the quantised weights it
     fits, or None for torch's kernels; ``step_rows``: the backend's per-step floor, which a
     quantised weight reads; ``amx_ops``: the C++ ops whose ``amx_matmul`` replaces the dense
-    copy of a bfloat16 model's quant_matmul weights (:class:`AmxLinear`), or None."""
+    copy of a bfloat16 model's quant_matmul weights (:class:`AmxLinear`), or None; ``q8_ops``: the
+    C++ ops whose q8_matmul replaces the dense copy of 4-bit quant_matmul weights
+    (:class:`Q8Linear`, ``quant_dense = "q8"``), or None."""
     lw = _pack(spec, dtype, cpu_linear=cpu_linear, quant_max_rows=quant_max_rows, int8_regroup=int8_regroup,
-               quant_ops=quant_ops, amx_ops=amx_ops)
+               quant_ops=quant_ops, amx_ops=amx_ops, q8_ops=q8_ops)
     if step_rows is not None and isinstance(lw, _QuantisedLinear):
         lw.step_rows = step_rows
     return lw
 
 
 def _pack(spec: WeightSpec, dtype: torch.dtype, *, cpu_linear: str, quant_max_rows: int, int8_regroup: bool,
-          quant_ops, amx_ops=None):
+          quant_ops, amx_ops=None, q8_ops=None):
     cpu = (spec.device if isinstance(spec, torch.Tensor) else _device(spec)).type == "cpu"
     if isinstance(spec, QuantizedWeight) and cpu and spec.g_idx is None:
         out, inp = spec.shape
@@ -353,6 +399,11 @@ def _pack(spec: WeightSpec, dtype: torch.dtype, *, cpu_linear: str, quant_max_ro
                 if quant_max_rows > 0:
                     lw.kernel += f" / amx_matmul above {quant_max_rows} rows / dense above {AMX_MAX_ROWS} rows"
                 return _tuned(lw, quant_max_rows, (*kind, "amx"), dtype)
+            if q8_ops is not None and quant_max_rows != 0 and Q8Linear.fits(spec):
+                lw = QuantMatmulLinear(spec, quant_ops.quant_matmul, quant_max_rows, Q8Linear(spec, q8_ops.q8_matmul))
+                lw.kernel = lw.kernel.split(" / ")[0] + (f" / q8_matmul above {quant_max_rows} rows"
+                                                         if quant_max_rows > 0 else "")
+                return _tuned(lw, quant_max_rows, (*kind, "q8"), dtype)
             return _tuned(QuantMatmulLinear(spec, quant_ops.quant_matmul, quant_max_rows, dense()), quant_max_rows,
                           kind, dtype)
 
@@ -407,6 +458,8 @@ def _tuned(lw, quant_max_rows: int, kind: tuple, dtype: torch.dtype):
     if isinstance(lw.dense, AmxLinear):
         lw.kernel = lw.kernel.split(" / ")[0] + (f" / amx_matmul above {lw.max_rows} rows (measured) / dense above "
                                                  f"{lw.dense.max_rows} rows")
+    elif isinstance(lw.dense, Q8Linear):
+        lw.kernel = lw.kernel.split(" / ")[0] + f" / q8_matmul above {lw.max_rows} rows (measured)"
     else:
         lw.kernel = lw.kernel.split(" / ")[0] + f" / dense above {lw.max_rows} rows (measured)"
     return lw
@@ -481,6 +534,8 @@ def step_linear(lw, ops):
             return None
         return ops.StepLinear(10 + lw.bits, lw.codes, lw.sm, lw.group_size, lw.max_rows if dense is not None else 0,
                               dense)
+    if isinstance(lw, Q8Linear):  # (kinds 24 and 28: 20 + the bits)
+        return ops.StepLinear(20 + lw.bits, lw.codes, lw.sm, lw.group_size, 0, None)
     if isinstance(lw, PackedLinear):
         return ops.StepLinear(3, lw.wt if lw.wt is not None else none, lw.onednn if lw.onednn is not None else none,
                               0, lw.max_rows, None)

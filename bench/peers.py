@@ -78,6 +78,8 @@ def run_tokenloom(args, flags, pm) -> tuple[dict, list[BenchRequest]]:
         note = str(llm.engine.runner.dtype).replace("torch.", "")
         if llm.engine.config.engine.kv_cache_dtype != "auto":
             note += f"; {llm.engine.config.engine.kv_cache_dtype} KV cache"
+        if getattr(llm.engine.runner.backend, "q8_ops", None) is not None:
+            note += "; 8-bit activations (backend.quant_dense = q8)"
     finally:
         llm.close()
         pm.pm.unregister(recorder)

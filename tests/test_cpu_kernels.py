@@ -405,6 +405,83 @@ def test_amx_matmul_matches_the_dense_bfloat16_matmul(ops, bits, out, inp, group
                                amx_ops=ops).dense, AmxLinear)
 
 
+def _q8_reference(x: torch.Tensor, qw) -> torch.Tensor:
+    """x [rows, K] rounded to 8 bits in blocks of 32 as q8_matmul rounds it (scale max|x| / 127,
+    codes to nearest even), times the dequantised weights, in float64."""
+    rows, k = x.shape
+    xf = x.float().view(rows, k // 32, 32)
+    amax = xf.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))  # (127 / t: 127 * (1 / t))
+    xq = torch.round(xf * inv).double() * (amax / 127).double()
+    return xq.view(rows, k) @ qw.dequantize(torch.float64).t()
+
+
+@pytest.mark.parametrize("bits, out, inp, group", [(4, 64, 96, 32), (4, 96, 256, 64), (8, 32, 128, 32),
+                                                   (4, 32, 1536, 32)])
+def test_q8_matmul_is_the_dequantised_weights_times_8_bit_activations(ops, bits, out, inp, group):
+    """``q8_matmul`` (AVX512-VNNI builds) multiplies each row's activations, rounded to 8 bits in
+    blocks of 32, by the dequantised weights, with each row's result the same alone and in a
+    batch; elsewhere it refuses, naming the instruction set it lacks."""
+    from tokenloom.backends.torch_linear import Q8Linear
+
+    qw = _quantized(out, inp, bits, group)
+    lw = Q8Linear(qw, ops.q8_matmul)
+    x = torch.randn(7, inp)
+    if not ops.q8_ready():
+        with pytest.raises(RuntimeError, match="AVX512-VNNI"):
+            lw.apply(x)
+        return
+    for rows in (1, 2, 5, 6, 7, 13, 70):
+        x = torch.randn(rows, inp) * 3
+        x[0, :32] = 0  # an all-zero block: scale 0, codes 0
+        ref = _q8_reference(x, qw)
+        y = lw.apply(x)
+        assert y.dtype == torch.float32 and y.shape == (rows, out)
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, rows
+        alone = torch.cat([lw.apply(x[i:i + 1]) for i in range(rows)])
+        assert torch.equal(alone, y), rows  # a row's result does not depend on the rows beside it
+        xb = x.bfloat16()
+        yb = lw.apply(xb)
+        assert yb.dtype == torch.bfloat16
+        assert torch.equal(yb, lw.apply(xb.float()).bfloat16())  # the float32 sums rounded once
+    with pytest.raises(RuntimeError, match="group"):
+        ops.q8_matmul(x, lw.codes, lw.sm, bits, 16)
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+        ops.q8_matmul(x, lw.codes, lw.sm, 2, group)
+    with pytest.raises(RuntimeError, match="codes"):
+        ops.q8_matmul(x, lw.codes.view(torch.int8), lw.sm, bits, group)
+    with pytest.raises(RuntimeError, match="K a multiple of 32"):
+        ops.q8_matmul(x[:, :-32], lw.codes, lw.sm, bits, group)
+
+
+def test_q8_dense_replaces_the_copy_and_is_captured(ops):
+    """``pack(..., q8_ops=)``: a 4-bit or 8-bit quant_matmul weight runs q8_matmul above its
+    threshold instead of a dense copy, and the captured step mirrors it (StepLinear kinds 24 and
+    28); a weight it does not take (groups of 16, asymmetric 8-bit codes) keeps its dense copy."""
+    from tokenloom.backends.torch_linear import Q8Linear, QuantMatmulLinear, pack, step_linear
+    from tokenloom.core.weights import QuantizedWeight
+
+    if not ops.q8_ready():  # (the generic build: refused at start-up, test_quant_dense_is_checked_at_start_up)
+        with pytest.raises(RuntimeError, match="AVX512-VNNI"):
+            Q8Linear(_quantized(64, 128, 4, 32), ops.q8_matmul).apply(torch.randn(3, 128))
+        return
+    for bits in (4, 8):
+        qw = _quantized(64, 128, bits, 32)
+        packed = pack(qw, torch.bfloat16, cpu_linear="mkl", quant_max_rows=2, quant_ops=ops, q8_ops=ops)
+        assert isinstance(packed, QuantMatmulLinear) and isinstance(packed.dense, Q8Linear)
+        assert packed.kernel.endswith("/ q8_matmul above 2 rows")
+        x = torch.randn(9, 128).bfloat16()
+        assert torch.equal(packed.apply(x), packed.dense.apply(x))  # > 2 rows
+        assert torch.equal(packed.apply(x[:2]), packed.quantised(x[:2]))
+        assert step_linear(packed, ops) is not None
+    sixteen = pack(_quantized(64, 128, 4, 16), torch.bfloat16, cpu_linear="mkl", quant_max_rows=2, quant_ops=ops,
+                   q8_ops=ops)
+    assert not isinstance(sixteen.dense, Q8Linear)
+    eight = _quantized(64, 128, 8, 32)
+    asymmetric = QuantizedWeight(codes=eight.codes, scales=eight.scales, zeros=eight.zeros - 3, bits=8, group_size=32)
+    assert not Q8Linear.fits(asymmetric)
+
+
 def test_quant_dense_is_checked_at_start_up(make_llm, ops):
     """``backend.quant_dense``: a value it does not know, or ``amx`` where it cannot run (no
     AMX-BF16 here, or a float32 model), is refused at start-up naming it; ``auto`` on a
@@ -412,7 +489,7 @@ def test_quant_dense_is_checked_at_start_up(make_llm, ops):
     from tokenloom.backends.torch_linear import AmxLinear
     from tokenloom.core.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="quant_dense must be auto, amx or copy"):
+    with pytest.raises(ConfigError, match="quant_dense must be auto, amx, copy or q8"):
         make_llm(flags={"backend": {"quant_dense": "tiles"}})
     with pytest.raises(ConfigError, match="bfloat16 models only.*decoder.draft_dtype" if ops.amx_ready()
                        else "no AMX-BF16"):
@@ -424,6 +501,14 @@ def test_quant_dense_is_checked_at_start_up(make_llm, ops):
                          ({"batch_invariant": True}, "batch_invariant")):
         with pytest.raises(ConfigError, match=f"quant_dense = amx, but {why}"):
             make_llm(quantizer="rtn", dtype="bfloat16", flags={"backend": {"quant_dense": "amx", **backend}})
+    for backend, why in (({"quant_kernel": "torch"}, "backend.quant_kernel = torch"),
+                         ({"quant_max_rows": 0}, "backend.quant_max_rows = 0"),
+                         ({"batch_invariant": True}, "batch_invariant")):
+        with pytest.raises(ConfigError, match=f"quant_dense = q8, but {why}"):
+            make_llm(quantizer="rtn", dtype="bfloat16", flags={"backend": {"quant_dense": "q8", **backend}})
+    if not ops.q8_ready():
+        with pytest.raises(ConfigError, match="quant_dense = q8, but this CPU or build has no AVX512-VNNI"):
+            make_llm(quantizer="rtn", dtype="bfloat16", flags={"backend": {"quant_dense": "q8"}})
     llm = make_llm(quantizer="rtn", dtype="bfloat16", flags={"backend": {"quant_max_rows": 2}})
     qkv = llm.engine.runner.model.layers[0].qkv
     assert isinstance(qkv.dense, AmxLinear) == ops.amx_ready()

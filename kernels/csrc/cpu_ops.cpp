@@ -9,6 +9,7 @@
 #include "amx_matmul.h"
 #include "attention.h"
 #include "elementwise.h"
+#include "q8_matmul.h"
 #include "quant_matmul.h"
 #include "rms_norm.h"
 
@@ -44,12 +45,12 @@ struct LoraStep {
 
 // One matmul as the backend packed it (backends/torch_linear.py), mirrored kind by kind.
 struct StepLinear {
-  enum Kind : int64_t { DENSE = 0, INT4 = 1, INT8 = 2, FP32_PACKED = 3, QMM4 = 4, QMM8 = 8, AMX4 = 14, AMX8 = 18 };
+  enum Kind : int64_t { DENSE = 0, INT4 = 1, INT8 = 2, FP32_PACKED = 3, QMM4 = 4, QMM8 = 8, AMX4 = 14, AMX8 = 18, Q8W4 = 24, Q8W8 = 28 };
   int64_t kind;
   at::Tensor a, b;  // DENSE: weight; INT4: packed, scales_zeros; INT8: weight, scales;
                     // FP32_PACKED: [in, out] copy for MKL (or undefined), oneDNN-packed (or undefined);
-                    // QMM4 / QMM8, AMX4 / AMX8: quant_matmul's codes and scales
-  int64_t group;     // the group size of INT4, QMM4 / QMM8 and AMX4 / AMX8 (0 for dense kinds)
+                    // QMM4 / QMM8, AMX4 / AMX8: quant_matmul's codes and scales; Q8W4 / Q8W8: q8_matmul's
+  int64_t group;     // the group size of INT4, QMM4 / QMM8, AMX4 / AMX8, Q8W4 / Q8W8 (0 for dense kinds)
   int64_t max_rows;  // quantised: their kernel up to this many rows, `dense` above; FP32: MKL up to, oneDNN above
   std::shared_ptr<StepLinear> dense;
 
@@ -105,6 +106,7 @@ struct StepLinear {
   at::Tensor apply_base(const at::Tensor& x, int64_t floor) const {
     const int64_t rows = x.size(0);
     if (kind == DENSE) return at::linear(x, a);
+    if (kind == Q8W4 || kind == Q8W8) return q8_matmul(x, a, b, kind - 20, group);
     if (kind == FP32_PACKED) {
       if (!b.defined() || (a.defined() && rows <= max_rows)) return at::mm(x, a);
       return onednn_linear(x, b);
@@ -251,6 +253,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_ready", &amx::ready);
   m.def("amx_matmul", &amx_matmul, py::arg("x"), py::arg("codes"), py::arg("sm"), py::arg("bits"), py::arg("group"),
         py::arg("float_out") = false);
+  m.def("q8_ready", &q8::ready);
+  m.def("q8_matmul", &q8_matmul, py::arg("x"), py::arg("codes"), py::arg("sm"), py::arg("bits"),
+        py::arg("group"));
   m.def("quant_matmul", &quant_matmul, py::arg("x"), py::arg("codes"), py::arg("sm"), py::arg("bits"),
         py::arg("group"));
   py::class_<LoraStep, std::shared_ptr<LoraStep>>(m, "LoraStep")
