@@ -50,8 +50,8 @@ def main() -> None:
         with torch.inference_mode():
             for rows in ROWS:
                 x = torch.randn(rows, inp, generator=g).bfloat16()
-                dense = _ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
-                cells.append(f"{dense:.3f} / {_ms(lambda: q8.apply(x)):.3f}")
+                dense = _ms(lambda x=x, w=packed: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
+                cells.append(f"{dense:.3f} / {_ms(lambda x=x, q8=q8: q8.apply(x)):.3f}")
         print(f"| {out} x {inp} ({name}) | " + " | ".join(cells) + " |")
 
 
