@@ -21,6 +21,10 @@ The C++ lives in ``kernels/csrc/`` (shipped as package data):
   AMX (bfloat16 tiles widened from the codes per 16-column block), what a bfloat16 step
   above the quantised kernel's row threshold runs instead of a dense copy where
   ``amx_ready()``;
+- ``q8_matmul.h``: ``q8_matmul``, many-row matmuls over 4-bit and symmetric 8-bit codes with
+  each row's activations rounded to 8 bits in blocks of 32 (AVX512-VNNI byte dot products,
+  ``q8_ready()``): what ``backend.quant_dense = "q8"`` runs above the row threshold
+  (``Q8Linear``);
 - ``rms_norm.h``: ``add_rms_norm``, the residual add fused with RMSNorm;
 - ``elementwise.h``: ``rope_rows`` (RoPE over strided rows, rounded once to the output
   dtype: the same values as ``apply_rope(...).to(dtype)``, in one pass instead of ~8 torch
