@@ -27,7 +27,9 @@ Which kernel runs depends on the spec, the device and the batch:
   per weight shape, at load (``_tuned``; `tokenloom bench kernels` prints the timings).
   On a CPU with AMX-BF16 a bfloat16 model's ``quant_matmul`` weights run the C++
   ``amx_matmul`` over the same codes between that threshold and ``AMX_MAX_ROWS`` rows
-  (``AmxLinear``; ``backend.quant_dense``), the dense copy only above. A step whose rows are all one sequence's (its decode row and draft chain, a batch-1
+  (``AmxLinear``; ``backend.quant_dense``), the dense copy only above. With ``quant_dense =
+  "q8"`` (asked for by name, AVX512-VNNI) they run the C++ ``q8_matmul`` above the threshold
+  instead, at every row count, with 8-bit activations (``Q8Linear``), and no dense copy. A step whose rows are all one sequence's (its decode row and draft chain, a batch-1
   verification) keeps the quantised kernel at any row count (``StepRows``), so each row
   rounds as a plain one-row decode step does;
 - anything else (fp8, quantised specs on CUDA): dequantised once at load to the engine
@@ -372,8 +374,8 @@ def pack(spec: WeightSpec, dtype: torch.dtype, *, cpu_linear: str, quant_max_row
     fits, or None for torch's kernels; ``step_rows``: the backend's per-step floor, which a
     quantised weight reads; ``amx_ops``: the C++ ops whose ``amx_matmul`` replaces the dense
     copy of a bfloat16 model's quant_matmul weights (:class:`AmxLinear`), or None; ``q8_ops``: the
-    C++ ops whose q8_matmul replaces the dense copy of 4-bit quant_matmul weights
-    (:class:`Q8Linear`, ``quant_dense = "q8"``), or None."""
+    C++ ops whose q8_matmul replaces the dense copy of 4-bit and symmetric 8-bit quant_matmul
+    weights (:class:`Q8Linear`, ``quant_dense = "q8"``), or None."""
     lw = _pack(spec, dtype, cpu_linear=cpu_linear, quant_max_rows=quant_max_rows, int8_regroup=int8_regroup,
                quant_ops=quant_ops, amx_ops=amx_ops, q8_ops=q8_ops)
     if step_rows is not None and isinstance(lw, _QuantisedLinear):
