@@ -28,10 +28,11 @@ Which kernel runs depends on the spec, the device and the batch:
   On a CPU with AMX-BF16 a bfloat16 model's ``quant_matmul`` weights run the C++
   ``amx_matmul`` over the same codes between that threshold and ``AMX_MAX_ROWS`` rows
   (``AmxLinear``; ``backend.quant_dense``), the dense copy only above. With ``quant_dense =
-  "q8"`` (asked for by name, AVX512-VNNI) they run the C++ ``q8_matmul`` above the threshold
-  instead, at every row count, with 8-bit activations (``Q8Linear``), and no dense copy. A step whose rows are all one sequence's (its decode row and draft chain, a batch-1
-  verification) keeps the quantised kernel at any row count (``StepRows``), so each row
-  rounds as a plain one-row decode step does;
+  "q8"`` (asked for by name, AVX512-VNNI) 4-bit and symmetric 8-bit ones run the C++
+  ``q8_matmul`` with 8-bit activations everywhere above the threshold (``Q8Linear``), and no
+  dense copy is built. A step whose rows are all one sequence's (its decode row and draft
+  chain, a batch-1 verification) keeps the quantised kernel at any row count (``StepRows``),
+  so each row rounds as a plain one-row decode step does;
 - anything else (fp8, quantised specs on CUDA): dequantised once at load to the engine
   dtype — the kernel name says so.
 """
