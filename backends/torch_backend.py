@@ -241,67 +241,47 @@ class TorchBackend:
         # the C++ ops whose amx_matmul stands in for quant_matmul weights' dense copies, or None
         self.amx_ops = self.quant_ops if self.quant_ops is not None and self.quant_dense in ("auto", "amx") and \
             self.quant_ops.amx_ready() else None
-        if self.quant_dense == "amx":
-            self._check_amx(options)
         # the C++ ops whose q8_matmul stands in for quant_matmul weights' dense copies, or None
         self.q8_ops = self.quant_ops if self.quant_ops is not None and self.quant_dense == "q8" and \
             self.quant_ops.q8_ready() else None
-        if self.quant_dense == "q8":
-            self._check_q8(options)
+        if self.quant_dense in ("amx", "q8"):
+            self._check_quant_dense(options)
         self.batch_invariant = options.batch_invariant
         if self.batch_invariant:
             self._check_batch_invariant(options)
 
-    def _check_amx(self, options: TorchBackendOptions) -> None:
-        """``quant_dense = amx`` asked for by name: refused, naming why, wherever amx_matmul
-        would not run (``auto`` takes it where it can and the dense copy elsewhere)."""
+    def _check_quant_dense(self, options: TorchBackendOptions) -> None:
+        """``quant_dense = amx`` or ``q8`` asked for by name: refused, naming why, wherever its
+        kernel would not run (``auto`` takes amx where it can and the dense copy elsewhere)."""
         from tokenloom.core.errors import ConfigError
 
         from .torch_linear import AMX_MAX_ROWS
 
+        mode = options.quant_dense
+        kernel = f"{mode}_matmul"
         why = None
         if self.device.type != "cpu":
-            why = f"amx_matmul is a CPU kernel and the device is {str(self.device)!r}"
+            why = f"{kernel} is a CPU kernel and the device is {str(self.device)!r}"
         elif options.quant_kernel == "torch":
-            why = ("backend.quant_kernel = torch runs torch's int4 / int8 kernels, and amx_matmul reads the C++ "
-                   "quant_matmul's packed weights")
+            why = (f"backend.quant_kernel = torch runs torch's int4 / int8 kernels, and {kernel} stands in for the "
+                   "C++ quant_matmul's dense copy")
         elif options.batch_invariant:
             why = "batch_invariant keeps the quantised kernels at every row count"
         elif options.quant_max_rows == 0:
             why = "backend.quant_max_rows = 0 keeps the quantised kernels at every row count"
-        elif options.quant_max_rows >= AMX_MAX_ROWS:
+        elif mode == "amx" and options.quant_max_rows >= AMX_MAX_ROWS:
             why = (f"backend.quant_max_rows = {options.quant_max_rows} leaves no rows to it (it runs from there "
                    f"up to {AMX_MAX_ROWS})")
         elif self.quant_ops is None:
             from tokenloom.kernels import cpu_ops
 
             why = f"the C++ ops could not be built: {cpu_ops.unavailable_reason()}"
-        elif self.amx_ops is None:
+        elif mode == "amx" and self.amx_ops is None:
             why = "this CPU or build has no AMX-BF16 (kernels/csrc/amx_matmul.h: amx_ready() is False)"
-        if why is not None:
-            raise ConfigError(f"backend.quant_dense = amx, but {why}; use auto or copy")
-
-    def _check_q8(self, options: TorchBackendOptions) -> None:
-        """``quant_dense = q8``: refused, naming why, wherever q8_matmul would not run."""
-        from tokenloom.core.errors import ConfigError
-
-        why = None
-        if self.device.type != "cpu":
-            why = f"q8_matmul is a CPU kernel and the device is {str(self.device)!r}"
-        elif options.quant_kernel == "torch":
-            why = "backend.quant_kernel = torch runs torch's int4 / int8 kernels, not the C++ quant_matmul q8 follows"
-        elif options.batch_invariant:
-            why = "batch_invariant keeps the quantised kernels at every row count"
-        elif options.quant_max_rows == 0:
-            why = "backend.quant_max_rows = 0 keeps the quantised kernels at every row count"
-        elif self.quant_ops is None:
-            from tokenloom.kernels import cpu_ops
-
-            why = f"the C++ ops could not be built: {cpu_ops.unavailable_reason()}"
-        elif self.q8_ops is None:
+        elif mode == "q8" and self.q8_ops is None:
             why = "this CPU or build has no AVX512-VNNI (kernels/csrc/q8_matmul.h: q8_ready() is False)"
         if why is not None:
-            raise ConfigError(f"backend.quant_dense = q8, but {why}; use auto or copy")
+            raise ConfigError(f"backend.quant_dense = {mode}, but {why}; use auto or copy")
 
     def _check_batch_invariant(self, options: TorchBackendOptions) -> None:
         """The batch-invariant mode: every row of a step takes the same kernels, whose reduction

@@ -63,9 +63,9 @@ inline bool ready() {
 }
 
 #if defined(TOKENLOOM_VNNI)
-// Rows [b, e) of x to 8-bit blocks: q [M, K] int8, d and s [M, K/32] float32, qs [M, K/32] sum q.
+// Rows [b, e) of x to 8-bit blocks: q [M, K] int8, d [M, K/32] float32 scales, qs [M, K/32] sum q.
 template <typename T>
-static void quantize_rows(const T* x, int8_t* q, float* d, float* s, int32_t* qs, int64_t b, int64_t e, int64_t K) {
+static void quantize_rows(const T* x, int8_t* q, float* d, int32_t* qs, int64_t b, int64_t e, int64_t K) {
   const int64_t G = K / QK;
   std::vector<float> buf(K);
   for (int64_t m = b; m < e; ++m) {
@@ -78,10 +78,8 @@ static void quantize_rows(const T* x, int8_t* q, float* d, float* s, int32_t* qs
       const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, _mm512_set1_ps(id)));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * K + g * QK), _mm512_cvtsepi32_epi8(q0));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * K + g * QK + 16), _mm512_cvtsepi32_epi8(q1));
-      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
       d[m * G + g] = dd;
-      s[m * G + g] = dd * static_cast<float>(sum);
-      qs[m * G + g] = sum;
+      qs[m * G + g] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
     }
   }
 }
@@ -91,7 +89,7 @@ static void quantize_rows(const T* x, int8_t* q, float* d, float* s, int32_t* qs
 template <int R, bool SYM8>
 static inline void tile(const uint8_t* __restrict__ c0, const uint8_t* __restrict__ c1, const float* __restrict__ sm0,
                         const float* __restrict__ sm1, const int8_t* __restrict__ q, const float* __restrict__ d,
-                        const float* __restrict__ s, const int32_t* __restrict__ qsum, int64_t K, int64_t b0,
+                        const int32_t* __restrict__ qsum, int64_t K, int64_t b0,
                         int64_t b1, int64_t blocks_per_group, float* __restrict__ f_out) {
   const int64_t G = K / QK;
   __m512 f[R][2];
@@ -122,7 +120,7 @@ static inline void tile(const uint8_t* __restrict__ c0, const uint8_t* __restric
         f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][0], z)), _mm512_mul_ps(sc0, dr), f[r][0]);
         f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][1], z)), _mm512_mul_ps(sc1, dr), f[r][1]);
       } else {
-        const __m512 sr = _mm512_set1_ps(s[r * G + g]);
+        const __m512 sr = _mm512_set1_ps(d[r * G + g] * static_cast<float>(qsum[r * G + g]));  // s_b
         f[r][0] = _mm512_fmadd_ps(of0, sr, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][0]), _mm512_mul_ps(sc0, dr), f[r][0]));
         f[r][1] = _mm512_fmadd_ps(of1, sr, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][1]), _mm512_mul_ps(sc1, dr), f[r][1]));
       }
@@ -139,11 +137,9 @@ static void run(const T* x, const uint8_t* codes, const float* sm, T* y, int64_t
                 int64_t group) {
   const int64_t G = K / QK, Gw = K / group, bpg = group / QK;
   std::vector<int8_t> q(M * K);
-  std::vector<float> d(M * G), s(M * G);
+  std::vector<float> d(M * G);
   std::vector<int32_t> qs(M * G);
-  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-    quantize_rows(x, q.data(), d.data(), s.data(), qs.data(), b, e, K);
-  });
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) { quantize_rows(x, q.data(), d.data(), qs.data(), b, e, K); });
   const int64_t tile_bytes = K * 16, tile_sm = Gw * 32;
   at::parallel_for(0, N / 32, 1, [&](int64_t tb, int64_t te) {
     std::vector<float> f(M * 32);  // this column pair's sums, all rows
@@ -156,14 +152,14 @@ static void run(const T* x, const uint8_t* codes, const float* sm, T* y, int64_t
         for (int64_t m = 0; m < M; m += MAX_ROWS) {
           const int64_t rows = std::min<int64_t>(MAX_ROWS, M - m);
           const int8_t* qm = q.data() + m * K;
-          const float *dm = d.data() + m * G, *sm_ = s.data() + m * G;
+          const float* dm = d.data() + m * G;
           const int32_t* qsm = qs.data() + m * G;
           float* fm = f.data() + m * 32;
           switch (rows) {
 #define Q8_TILE(n) \
-  case n: tile<n, SYM8>(c0, c0 + tile_bytes, s0, s0 + tile_sm, qm, dm, sm_, qsm, K, b0, b1, bpg, fm); break;
+  case n: tile<n, SYM8>(c0, c0 + tile_bytes, s0, s0 + tile_sm, qm, dm, qsm, K, b0, b1, bpg, fm); break;
             Q8_TILE(6) Q8_TILE(5) Q8_TILE(4) Q8_TILE(3) Q8_TILE(2)
-            default: tile<1, SYM8>(c0, c0 + tile_bytes, s0, s0 + tile_sm, qm, dm, sm_, qsm, K, b0, b1, bpg, fm); break;
+            default: tile<1, SYM8>(c0, c0 + tile_bytes, s0, s0 + tile_sm, qm, dm, qsm, K, b0, b1, bpg, fm); break;
 #undef Q8_TILE
           }
         }
