@@ -34,7 +34,10 @@ step_llama_cpp_python() {
     # llama-cpp-python compiles llama.cpp for this CPU; without AMX where the CPU has it
     # (its kernels die with SIGILL in this sandbox: see scripts/build-llama-server.sh).
     if grep -q amx_tile /proc/cpuinfo 2>/dev/null; then
+        # (CMake takes CFLAGS / CXXFLAGS as its first C and C++ flags; -march=native does not
+        # undo an explicit -mno-*)
         export CMAKE_ARGS="-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+        export CFLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" CXXFLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     fi
     (cd "$ROOT" && "${NICE[@]}" "$PY" -m pip install "${PIP_Q[@]}" -e '.[peers]')
     "$PY" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
