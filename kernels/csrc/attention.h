@@ -71,16 +71,20 @@ static inline __m512 round_to16(__m512 x) {
 }
 #endif
 
-template <typename S, typename R>
-static inline void dequant_row(const S* __restrict__ src, float scale, float* __restrict__ dst, int64_t n) {
-  int64_t d0 = 0;
 #if defined(__AVX512F__)
-  // 16 a step in full-width registers, the arithmetic of the loops below lane for lane (the
-  // compiler's own vectorisation of them, 8 lanes wide, left an 8-bit pool's decode attention
-  // no faster than a bfloat16 pool's with half its bytes)
-  const __m512 sv = _mm512_set1_ps(scale);
-  for (; d0 + 16 <= n; d0 += 16) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d0));
+// 16 values of a pool row as float32: a plain pool's (S == R) exactly; an 8-bit pool's as
+// dequant_row gives them (data * scale in float32, rounded to R), lane for lane.
+template <typename S, typename R>
+static inline __m512 load16(const S* src, __m512 scale) {
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm512_loadu_ps(src);
+  } else if constexpr (std::is_same_v<S, c10::BFloat16>) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))), 16));
+  } else if constexpr (std::is_same_v<S, c10::Half>) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  } else {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
     __m512 x;
     if constexpr (std::is_same_v<S, int8_t>) {
       x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
@@ -95,8 +99,20 @@ static inline void dequant_row(const S* __restrict__ src, float scale, float* __
       x = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(magnitude),
                                               _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24)));
     }
-    _mm512_storeu_ps(dst + d0, round_to16<R>(_mm512_mul_ps(x, sv)));
+    return round_to16<R>(_mm512_mul_ps(x, scale));
   }
+}
+#endif
+
+template <typename S, typename R>
+static inline void dequant_row(const S* __restrict__ src, float scale, float* __restrict__ dst, int64_t n) {
+  int64_t d0 = 0;
+#if defined(__AVX512F__)
+  // 16 a step in full-width registers, the arithmetic of the loops below lane for lane (the
+  // compiler's own vectorisation of them, 8 lanes wide, left an 8-bit pool's decode attention
+  // no faster than a bfloat16 pool's with half its bytes)
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (; d0 + 16 <= n; d0 += 16) _mm512_storeu_ps(dst + d0, load16<S, R>(src + d0, sv));
 #endif
   if constexpr (std::is_same_v<S, int8_t>) {
 #pragma omp simd
@@ -267,11 +283,181 @@ static void attend_impl(const float* qf, const S* kp, const S* vp, const c10::BF
   }
 }
 
+#if defined(__AVX512F__)
+// vec_exp (common.h) for 16 lanes: the same clamp, range reduction and polynomial
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365f)), _mm512_set1_ps(88.7228f));
+  const __m512 magic = _mm512_set1_ps(12582912.f);
+  const __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), magic), magic);
+  const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// Where a key row of the pool lies (and its 8-bit scale's index): row o of block j of a block
+// table, or (SLOTS) entry t0 + o of a list of flat slots.
+template <bool SLOTS>
+static inline int64_t row_slot(int64_t g, int64_t NB, int64_t BS, const int64_t* table, int64_t j, int64_t t0,
+                               int64_t o) {
+  return SLOTS ? g * NB * BS + table[t0 + o] : (g * NB + table[j]) * BS + o;
+}
+
+// acc[h] += sum_o p[h][o] * v_o for HB heads at once (their DC-wide accumulators in registers
+// for the whole block, each value row read and converted once per HB heads)
+template <int HB, int DC, typename S, typename R, bool SLOTS>
+static inline void accumulate_values(float* acc, const float* p, int64_t pstride, const S* vp,
+                                     const c10::BFloat16* vs, int64_t g, int64_t NB, int64_t BS,
+                                     const int64_t* table, int64_t j, int64_t t0, int64_t n) {
+  constexpr int NV = DC / 16;
+  __m512 a[HB][NV];
+  for (int h = 0; h < HB; ++h)
+    for (int v = 0; v < NV; ++v) a[h][v] = _mm512_loadu_ps(acc + h * DC + 16 * v);
+  for (int64_t o = 0; o < n; ++o) {
+    const int64_t slot = row_slot<SLOTS>(g, NB, BS, table, j, t0, o);
+    const __m512 sv = _mm512_set1_ps(vs != nullptr ? static_cast<float>(vs[slot]) : 1.f);
+    __m512 x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = load16<S, R>(vp + slot * DC + 16 * v, sv);
+    for (int h = 0; h < HB; ++h) {
+      const __m512 ph = _mm512_set1_ps(p[h * pstride + o]);
+      for (int v = 0; v < NV; ++v) a[h][v] = _mm512_fmadd_ps(ph, x[v], a[h][v]);
+    }
+  }
+  for (int h = 0; h < HB; ++h)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + h * DC + 16 * v, a[h][v]);
+}
+
+// attend_impl in one pass over the keys, for head dims 64 and 128 on AVX-512: each block's K
+// and V rows are read together and converted in registers (no float32 copy of the block), the
+// scores of the block's keys softmaxed online (flash-decoding: a running max and sum per head,
+// the accumulators rescaled when the max grows). The same function of q and the keys as
+// attend_impl up to float32 rounding (the sums' order differs); deterministic per query, so
+// still independent of what else a step holds. At 64 contexts of ~200 keys it took 0.4x the
+// time of the two-pass loop (docs/benchmarks.md).
+template <typename S, typename R, int DC, bool SLOTS>
+static void attend_fused(const float* qf, const S* kp, const S* vp, const c10::BFloat16* ks, const c10::BFloat16* vs,
+                         int64_t g, int64_t NB, int64_t BS, const int64_t* table, int64_t L, int64_t G,
+                         std::vector<float>& scratch, float* acc, int64_t start, float softcap) {
+  constexpr int NV = DC / 16;
+  constexpr int HB = 16 / NV;  // heads whose value accumulators fit in 16 registers
+  const int64_t j0 = start / BS;
+  scratch.resize(G * BS + 2 * G);
+  float* sc = scratch.data();  // [G][BS]: this block's scores, then probabilities
+  float* mx = sc + G * BS;     // each head's running max
+  float* sum = mx + G;         // and its running sum of exp(score - max)
+  for (int64_t h = 0; h < G; ++h) mx[h] = -INFINITY, sum[h] = 0.f;
+  std::fill(acc, acc + G * DC, 0.f);
+  for (int64_t j = j0, t0 = j0 * BS; t0 < L; ++j, t0 += BS) {
+    const int64_t n = L - t0 < BS ? L - t0 : BS;
+    if (t0 + BS < L) {  // the next block's K and V rows, while this one is computed
+      const int64_t next = L - t0 - BS < BS ? L - t0 - BS : BS;
+      prefetch_block<S, SLOTS>(kp, ks, g, NB, BS, DC, table, j + 1, next);
+      prefetch_block<S, SLOTS>(vp, vs, g, NB, BS, DC, table, j + 1, next);
+    }
+    // scores: four keys a pass, their G x 4 sums each in one shuffle tree
+    int64_t o = 0;
+    for (; o + 4 <= n; o += 4) {
+      __m512 k[4][NV];
+      for (int i = 0; i < 4; ++i) {
+        const int64_t slot = row_slot<SLOTS>(g, NB, BS, table, j, t0, o + i);
+        const __m512 sv = _mm512_set1_ps(ks != nullptr ? static_cast<float>(ks[slot]) : 1.f);
+        for (int v = 0; v < NV; ++v) k[i][v] = load16<S, R>(kp + slot * DC + 16 * v, sv);
+      }
+      for (int64_t h = 0; h < G; ++h) {
+        const float* qh = qf + h * DC;
+        __m512 s4[4];
+        for (int i = 0; i < 4; ++i) {
+          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), k[i][0]);
+          for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * v), k[i][v], a);
+          s4[i] = a;
+        }
+        const __m512 a01 = _mm512_add_ps(_mm512_unpacklo_ps(s4[0], s4[1]), _mm512_unpackhi_ps(s4[0], s4[1]));
+        const __m512 a23 = _mm512_add_ps(_mm512_unpacklo_ps(s4[2], s4[3]), _mm512_unpackhi_ps(s4[2], s4[3]));
+        const __m512 b = _mm512_add_ps(_mm512_shuffle_ps(a01, a23, 0x44), _mm512_shuffle_ps(a01, a23, 0xEE));
+        const __m256 c = _mm256_add_ps(_mm512_castps512_ps256(b),
+                                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b), 1)));
+        _mm_storeu_ps(sc + h * BS + o, _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1)));
+      }
+    }
+    for (; o < n; ++o) {
+      const int64_t slot = row_slot<SLOTS>(g, NB, BS, table, j, t0, o);
+      const __m512 sv = _mm512_set1_ps(ks != nullptr ? static_cast<float>(ks[slot]) : 1.f);
+      __m512 k[NV];
+      for (int v = 0; v < NV; ++v) k[v] = load16<S, R>(kp + slot * DC + 16 * v, sv);
+      for (int64_t h = 0; h < G; ++h) {
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qf + h * DC), k[0]);
+        for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + h * DC + 16 * v), k[v], a);
+        sc[h * BS + o] = _mm512_reduce_add_ps(a);
+      }
+    }
+    // online softmax, 16 scores a step: keys before `start` (the first block's, under a
+    // window) get probability 0
+    const int64_t o0 = t0 < start ? start - t0 : 0;
+    for (int64_t h = 0; h < G; ++h) {
+      float* sh = sc + h * BS;
+      if (softcap > 0.f) {
+        for (int64_t t = o0; t < n; ++t) sh[t] = softcap * std::tanh(sh[t] / softcap);
+      }
+      __m512 mv = _mm512_set1_ps(mx[h]);
+      for (int64_t t = o0; t < n; t += 16) {
+        const __mmask16 lanes = n - t >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - t)) - 1);
+        mv = _mm512_mask_max_ps(mv, lanes, mv, _mm512_maskz_loadu_ps(lanes, sh + t));
+      }
+      const float m = _mm512_reduce_max_ps(mv);
+      const float rescale = mx[h] == -INFINITY ? 0.f : vec_exp(mx[h] - m);
+      mx[h] = m;
+      __m512 sv = _mm512_setzero_ps();
+      for (int64_t t = o0; t < n; t += 16) {
+        const __mmask16 lanes = n - t >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - t)) - 1);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, sh + t), _mm512_set1_ps(m)));
+        _mm512_mask_storeu_ps(sh + t, lanes, e);
+        sv = _mm512_mask_add_ps(sv, lanes, sv, e);
+      }
+      for (int64_t t = 0; t < o0; ++t) sh[t] = 0.f;
+      sum[h] = sum[h] * rescale + _mm512_reduce_add_ps(sv);
+      if (rescale != 1.f) {
+        const __m512 r = _mm512_set1_ps(rescale);
+        for (int v = 0; v < NV; ++v)
+          _mm512_storeu_ps(acc + h * DC + 16 * v, _mm512_mul_ps(r, _mm512_loadu_ps(acc + h * DC + 16 * v)));
+      }
+    }
+    // values: up to HB heads at a time
+    for (int64_t h = 0; h < G; h += HB) {
+      float* ah = acc + h * DC;
+      const float* ph = sc + h * BS;
+      switch (G - h < HB ? G - h : HB) {
+        case 1: accumulate_values<1, DC, S, R, SLOTS>(ah, ph, BS, vp, vs, g, NB, BS, table, j, t0, n); break;
+        case 2: accumulate_values<2, DC, S, R, SLOTS>(ah, ph, BS, vp, vs, g, NB, BS, table, j, t0, n); break;
+        case 3: accumulate_values<3, DC, S, R, SLOTS>(ah, ph, BS, vp, vs, g, NB, BS, table, j, t0, n); break;
+        default: accumulate_values<HB, DC, S, R, SLOTS>(ah, ph, BS, vp, vs, g, NB, BS, table, j, t0, n);
+      }
+    }
+  }
+  for (int64_t h = 0; h < G; ++h) {
+    const __m512 inv = _mm512_set1_ps(1.f / sum[h]);
+    for (int v = 0; v < NV; ++v)
+      _mm512_storeu_ps(acc + h * DC + 16 * v, _mm512_mul_ps(inv, _mm512_loadu_ps(acc + h * DC + 16 * v)));
+  }
+}
+#endif
+
 // S: the pools' dtype; R: the model's (S == R: plain pools, ks and vs null; else 8-bit pools and their scales)
 template <typename S, typename R, bool SLOTS = false>
 static void attend(const float* qf, const S* kp, const S* vp, const c10::BFloat16* ks, const c10::BFloat16* vs,
                    int64_t g, int64_t NB, int64_t BS, int64_t D, const int64_t* table, int64_t L, int64_t G,
                    std::vector<float>& scores, float* kf, float* acc, int64_t start = 0, float softcap = 0.f) {
+#if defined(__AVX512F__)
+  if (D == 64)
+    return attend_fused<S, R, 64, SLOTS>(qf, kp, vp, ks, vs, g, NB, BS, table, L, G, scores, acc, start, softcap);
+  if (D == 128)
+    return attend_fused<S, R, 128, SLOTS>(qf, kp, vp, ks, vs, g, NB, BS, table, L, G, scores, acc, start, softcap);
+#endif
   if (D == 64)
     return attend_impl<S, R, 64, SLOTS>(qf, kp, vp, ks, vs, g, NB, BS, D, table, L, G, scores, kf, acc, start, softcap);
   if (D == 128)
