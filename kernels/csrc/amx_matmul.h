@@ -40,8 +40,9 @@
 namespace amx {
 
 #if defined(TOKENLOOM_AMX)
-// the tile configuration (palette 1): tiles 0-1 accumulate two 16-row chunks of y, 2-3 hold
-// the matching chunks of x (16 rows x 32 bfloat16), 4 the weights (16 pairs of k x 16 columns)
+// the tile configuration (palette 1): tiles 0-3 accumulate two 16-row chunks of y for two
+// 16-column blocks, 4-5 hold the matching chunks of x (16 rows x 32 bfloat16), 6-7 the two
+// blocks' weights (16 pairs of k x 16 columns)
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
   uint8_t reserved[14] = {0};
@@ -134,47 +135,82 @@ inline at::Tensor amx_matmul(at::Tensor x, at::Tensor codes, at::Tensor sm, int6
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
   const at::Half* smp = sm.data_ptr<at::Half>();
   void* yp = out.data_ptr();
-  at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
+  // two 16-column blocks at a time: four accumulator tiles (32 rows x 32 columns), so that
+  // four independent TDPBF16PS chains hide the instruction's latency (two chains left the
+  // tile unit waiting) and each x tile loaded serves two weight tiles
+  const int64_t NP = (NB + 1) / 2;
+  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
     amx::TileConfig cfg;
-    for (int t = 0; t < 5; ++t) {
+    for (int t = 0; t < 8; ++t) {
       cfg.rows[t] = 16;
       cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);
-    std::vector<uint32_t> w_store(K / 2 * 16 + 16);
-    uint32_t* w = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(w_store.data()) + 63) & ~uintptr_t(63));
-    alignas(64) float c[2][16][16];
-    for (int64_t nb = nb0; nb < nb1; ++nb) {
+    std::vector<uint32_t> w_store(2 * (K / 2 * 16) + 16);
+    uint32_t* w0 = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(w_store.data()) + 63) & ~uintptr_t(63));
+    uint32_t* w1 = w0 + K / 2 * 16;
+    alignas(64) float c[4][16][16];
+    auto widen = [&](int64_t nb, uint32_t* w) {
       if (bits == 4) {
         amx::widen4(cp + nb * (K / 2) * 16, smp + nb * (K / group) * 32, K, group, w);
       } else {
         amx::widen8(reinterpret_cast<const int8_t*>(cp) + nb * K * 16, smp + nb * (K / group) * 16, K, group, w);
       }
+    };
+    // tile t of c: rows r0 + 16 * (t % 2), columns of block nb + t / 2
+    auto store = [&](int64_t r0, int64_t nb, int tiles) {
+      for (int t = 0; t < tiles; ++t) {
+        for (int i = 0; i < 16; ++i) {
+          const int64_t r = r0 + (t % 2) * 16 + i;
+          if (r >= R) break;
+          const int64_t col = (nb + t / 2) * 16;
+          const __m512 v = _mm512_load_ps(c[t][i]);
+          if (float_out) {
+            _mm512_storeu_ps(static_cast<float*>(yp) + r * N + col, v);
+          } else {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(yp) + r * N + col),
+                                (__m256i)_mm512_cvtneps_pbh(v));
+          }
+        }
+      }
+    };
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t nb = 2 * p;
+      const bool pair = nb + 1 < NB;
+      widen(nb, w0);
+      if (pair) widen(nb + 1, w1);
       for (int64_t r0 = 0; r0 < Rpad; r0 += 32) {
+        const uint16_t* x0 = xt + (r0 / 16) * KB * 512;
+        const uint16_t* x1 = x0 + KB * 512;
         _tile_zero(0);
         _tile_zero(1);
-        for (int64_t kb = 0; kb < KB; ++kb) {
-          _tile_loadd(2, xt + ((r0 / 16) * KB + kb) * 512, 64);
-          _tile_loadd(3, xt + ((r0 / 16 + 1) * KB + kb) * 512, 64);
-          _tile_loadd(4, w + kb * 256, 64);
-          _tile_dpbf16ps(0, 2, 4);
-          _tile_dpbf16ps(1, 3, 4);
+        if (pair) {
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t kb = 0; kb < KB; ++kb) {
+            _tile_loadd(4, x0 + kb * 512, 64);
+            _tile_loadd(5, x1 + kb * 512, 64);
+            _tile_loadd(6, w0 + kb * 256, 64);
+            _tile_loadd(7, w1 + kb * 256, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 5, 6);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+          _tile_stored(2, c[2], 64);
+          _tile_stored(3, c[3], 64);
+        } else {
+          for (int64_t kb = 0; kb < KB; ++kb) {
+            _tile_loadd(4, x0 + kb * 512, 64);
+            _tile_loadd(5, x1 + kb * 512, 64);
+            _tile_loadd(6, w0 + kb * 256, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 5, 6);
+          }
         }
         _tile_stored(0, c[0], 64);
         _tile_stored(1, c[1], 64);
-        for (int h = 0; h < 2; ++h) {
-          for (int i = 0; i < 16; ++i) {
-            const int64_t r = r0 + h * 16 + i;
-            if (r >= R) break;
-            const __m512 v = _mm512_load_ps(c[h][i]);
-            if (float_out) {
-              _mm512_storeu_ps(static_cast<float*>(yp) + r * N + nb * 16, v);
-            } else {
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(yp) + r * N + nb * 16),
-                                  (__m256i)_mm512_cvtneps_pbh(v));
-            }
-          }
-        }
+        store(r0, nb, pair ? 4 : 2);
       }
     }
     _tile_release();
