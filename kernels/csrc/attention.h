@@ -31,7 +31,8 @@
 // `start` > 0 (a sliding window): keys before token `start` are not seen (their blocks are
 // skipped; the first block's earlier rows get probability 0); `softcap` > 0: each score (q
 // already scaled) becomes softcap * tanh(score / softcap) before the softmax (Gemma 2). With
-// start 0 and softcap 0 the arithmetic is the plain one, step for step.
+// start 0 and softcap 0 the arithmetic is the plain one, step for step. On AVX-512, head dims
+// 64 and 128 take attend_fused (one pass, below) instead; this loop serves the rest.
 typedef float vf16 __attribute__((vector_size(64)));  // GCC/Clang vectors: AVX-512, or split for AVX2
 
 // An 8-bit pool's slot (backends/torch_backend.py QuantizedKV): int8 or float8_e4m3fn data
@@ -179,27 +180,6 @@ static void attend_impl(const float* qf, const S* kp, const S* vp, const c10::BF
       const float* __restrict__ qh = qf + h * D;
       float* sh = scores.data() + h * L + t0;
       int64_t o = 0;
-#if defined(__AVX512F__)
-      if constexpr (DC > 0) {  // four keys a pass in vector registers, their four sums in one shuffle tree
-        constexpr int NV = DC / 16;
-        __m512 qv[NV];
-        for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(qh + 16 * v);
-        for (; o + 4 <= n; o += 4) {
-          __m512 s4[4];
-          for (int i = 0; i < 4; ++i) {
-            const float* kr = kf + (o + i) * DC;
-            __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
-            for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(kr + 16 * v), a);
-            s4[i] = a;
-          }
-          const __m512 a01 = _mm512_add_ps(_mm512_unpacklo_ps(s4[0], s4[1]), _mm512_unpackhi_ps(s4[0], s4[1]));
-          const __m512 a23 = _mm512_add_ps(_mm512_unpacklo_ps(s4[2], s4[3]), _mm512_unpackhi_ps(s4[2], s4[3]));
-          const __m512 b = _mm512_add_ps(_mm512_shuffle_ps(a01, a23, 0x44), _mm512_shuffle_ps(a01, a23, 0xEE));
-          const __m256 c = _mm256_add_ps(_mm512_castps512_ps256(b), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b), 1)));
-          _mm_storeu_ps(sh + o, _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1)));
-        }
-      }
-#endif
       for (; o + 4 <= n; o += 4) {  // four keys a pass: the reductions' latencies overlap
         const float* __restrict__ k0 = kf + o * D;
         const float* __restrict__ k1 = k0 + D;
@@ -301,6 +281,16 @@ static inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
+// The four lane sums of s4[0..3], in one shuffle tree (four keys' scores at once)
+static inline __m128 sum4(const __m512 s4[4]) {
+  const __m512 a01 = _mm512_add_ps(_mm512_unpacklo_ps(s4[0], s4[1]), _mm512_unpackhi_ps(s4[0], s4[1]));
+  const __m512 a23 = _mm512_add_ps(_mm512_unpacklo_ps(s4[2], s4[3]), _mm512_unpackhi_ps(s4[2], s4[3]));
+  const __m512 b = _mm512_add_ps(_mm512_shuffle_ps(a01, a23, 0x44), _mm512_shuffle_ps(a01, a23, 0xEE));
+  const __m256 c = _mm256_add_ps(_mm512_castps512_ps256(b),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1));
+}
+
 // Where a key row of the pool lies (and its 8-bit scale's index): row o of block j of a block
 // table, or (SLOTS) entry t0 + o of a list of flat slots.
 template <bool SLOTS>
@@ -377,12 +367,7 @@ static void attend_fused(const float* qf, const S* kp, const S* vp, const c10::B
           for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * v), k[i][v], a);
           s4[i] = a;
         }
-        const __m512 a01 = _mm512_add_ps(_mm512_unpacklo_ps(s4[0], s4[1]), _mm512_unpackhi_ps(s4[0], s4[1]));
-        const __m512 a23 = _mm512_add_ps(_mm512_unpacklo_ps(s4[2], s4[3]), _mm512_unpackhi_ps(s4[2], s4[3]));
-        const __m512 b = _mm512_add_ps(_mm512_shuffle_ps(a01, a23, 0x44), _mm512_shuffle_ps(a01, a23, 0xEE));
-        const __m256 c = _mm256_add_ps(_mm512_castps512_ps256(b),
-                                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b), 1)));
-        _mm_storeu_ps(sc + h * BS + o, _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1)));
+        _mm_storeu_ps(sc + h * BS + o, sum4(s4));
       }
     }
     for (; o < n; ++o) {
