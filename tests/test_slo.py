@@ -271,7 +271,7 @@ def test_best_effort_chunk_fits_before_an_interactive_deadline():
 
 def test_arrival_guard_bounds_best_effort_steps_while_targeted_requests_arrive():
     cache = PagedCacheManager(None, 256, 16)
-    sched = _trained(SloScheduler(SloOptions(arrival_guard_s=30), cache), a=0.010, b=0.001)
+    sched = _trained(SloScheduler(SloOptions(arrival_guard_s=30, max_num_batched_tokens=512), cache), a=0.010, b=0.001)
     now = [0.0]
     sched.clock = lambda: now[0]
     chat = Sequence("chat", [6] * 10, SamplingParams(max_tokens=1, ttft_ms=1001), arrival_time=0.0)
@@ -462,7 +462,8 @@ def test_bench_slo_report_on_a_tiny_config(tiny_model_dir, tmp_path, monkeypatch
     monkeypatch.setattr(bench, "isolated", lambda fn, *a: fn(*a))  # in this process: no spawn in a test
     report = bench.run_slo(args, tiny_engine_kwargs(tiny_model_dir, num_kv_blocks=64), PluginManager())
     cal = report["calibration"]  # no TPOT target given: measured first, TTFT kept as given
-    assert (cal["prefill_tokens"], cal["decode_seqs"], cal["decode_context"], cal["chunk_tokens"]) == (8, 3, 60, 512)
+    # the full chunk: the CPU step size (2048) cut to the longest prompt the tiny model's 1024 positions take
+    assert (cal["prefill_tokens"], cal["decode_seqs"], cal["decode_context"], cal["chunk_tokens"]) == (8, 3, 60, 1023)
     assert cal["decode_ms"] > 0 and cal["prefill_ms"] > 0 and cal["chunk_ms"] > 0
     # targets round up, never to 0 (a 0 ms target is refused): TPOT to the ms, TTFT to 10 ms
     assert cal["tpot_ms"] == math.ceil(3 * cal["decode_ms"]) and cal["ttft_ms"] == 10 * math.ceil(cal["chunk_ms"] / 10)

@@ -4,7 +4,7 @@ Runs in OpenVINO's own venv (``.peers/openvino-venv/bin/python``); imports nothi
 tokenloom. Reads one JSON object on stdin:
 
     {"model": OV_DIR, "workload": [[prompt_token_ids, max_tokens], ...], "concurrency": N,
-     "threads": T, "dtype": "float32", "max_num_batched_tokens": 512, "kv_cache_gib": 2}
+     "threads": T, "dtype": "float32", "max_num_batched_tokens": 2048, "kv_cache_gib": 2}
 
 and prints ``PEER_RESULT {json}`` on stdout: the workload's wall time (after a warm-up
 request), the output tokens produced (per request, in workload order), OpenVINO GenAI's version,
@@ -38,7 +38,7 @@ def main() -> None:
 
     sched = ov_genai.SchedulerConfig()
     sched.max_num_seqs = job["concurrency"]
-    sched.max_num_batched_tokens = job.get("max_num_batched_tokens", 512)
+    sched.max_num_batched_tokens = job.get("max_num_batched_tokens", 2048)
     sched.cache_size = job.get("kv_cache_gib", 2)
     sched.dynamic_split_fuse = True
     sched.enable_prefix_caching = False

@@ -4,7 +4,7 @@ Runs in vLLM's own venv (``.peers/bin/vllm-python``, which preloads tcmalloc and
 imports nothing of tokenloom. Reads one JSON object on stdin:
 
     {"model": HF_DIR, "workload": [[prompt_token_ids, max_tokens], ...], "concurrency": N,
-     "dtype": "float32", "max_num_batched_tokens": 512, "kv_cache_gib": 4}
+     "dtype": "float32", "max_num_batched_tokens": 2048, "kv_cache_gib": 4}
 
 and prints ``PEER_RESULT {json}`` on stdout: the workload's wall time (after a warm-up
 request), the output tokens produced, vLLM's version and its start-up time. Greedy, EOS
@@ -31,7 +31,7 @@ def main() -> None:
     longest = max(len(p) + n for p, n in workload)
     t0 = time.perf_counter()
     llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), max_num_seqs=job["concurrency"],
-              max_num_batched_tokens=job.get("max_num_batched_tokens", 512),
+              max_num_batched_tokens=job.get("max_num_batched_tokens", 2048),
               max_model_len=max(512, longest + 16), seed=0, enable_prefix_caching=False)
     startup = time.perf_counter() - t0
     greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)  # noqa: E731
