@@ -100,6 +100,9 @@ def add_bench_parser(sub) -> None:
     pe.add_argument("--serve", action="store_true",
                     help="compare servers instead: tokenloom serve, vllm serve, llama-server, each started in its "
                          "own process and driven over streamed /v1/completions by the same client")
+    pe.add_argument("--rounds", type=int, default=1,
+                    help="--serve only: start every server this many times in turn (tokenloom, the peers, then "
+                         "again) and report each figure as the median round's, every round's in the note")
     pe.add_argument("--json", metavar="FILE")
     pe.add_argument("--plot", metavar="FILE.png")
     add_engine_args(pe)

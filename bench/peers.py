@@ -286,6 +286,8 @@ def openvino_formats(args) -> list[str]:
 def run_peers(args, flags: dict, pm: PluginManager) -> dict:
     if getattr(args, "serve", False):
         return run_served_peers(args, flags)
+    if (getattr(args, "rounds", 1) or 1) != 1:
+        raise ValueError("bench peers: --rounds applies to --serve only (the offline peers run once each)")
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     flags = merge_layers(flags, {"num_threads": threads})
@@ -495,11 +497,19 @@ def run_served_peers(args, flags: dict) -> dict:
                              seed=args.workload_seed, token_range=token_range_for(_vocab_size(model_path)))
     ctx_per_seq = max(len(r.prompt_token_ids) + r.max_tokens for r in workload) + 16
     root = peers_dir(args)
+    rounds = getattr(args, "rounds", 1) or 1
+    if rounds < 1:
+        raise ValueError(f"bench peers: --rounds must be at least 1, got {rounds}")
     rows, skipped, startup = [], [], {}
     dtype = "float32"  # a peer given no --dtype runs in the one tokenloom's server reports having chosen
-    for system, server in served_systems(args, flags, threads, max(levels), ctx_per_seq, root, skipped):
+    # every server in turn, `rounds` times over (fresh ports each round), so that a slow spell
+    # of the host lands on all of them alike; each figure is then the median round's
+    turns = [(rnd, system, server) for rnd in range(rounds)
+             for system, server in served_systems(args, flags, threads, max(levels), ctx_per_seq, root,
+                                                  skipped if rnd == 0 else [])]
+    for rnd, system, server in turns:
         server.cmd = [a.replace("{dtype}", dtype) for a in server.cmd]
-        print(f"  starting {system} ...", flush=True)
+        print(f"  starting {system}" + (f" (round {rnd + 1} of {rounds})" if rounds > 1 else "") + " ...", flush=True)
         try:
             with server:
                 startup[system] = server.startup_s
@@ -524,11 +534,14 @@ def run_served_peers(args, flags: dict) -> dict:
                     rows.append({"system": name, "concurrency": level, "elapsed_s": rep["elapsed_s"],
                                  "output_tok_s": rep["output_tok_s"], "total_tok_s": rep["total_tok_s"],
                                  "ttft_ms": rep["ttft_ms"], "tpot_ms": rep["tpot_ms"], "e2e_ms": rep["e2e_ms"],
-                                 "failed": rep["failed"], "startup_s": server.startup_s, "note": note})
+                                 "failed": rep["failed"], "startup_s": server.startup_s, "note": note,
+                                 "round": rnd})
                     print(f"  {level:>3} {name}: {rep['output_tok_s']:.1f} output tok/s, "
                           f"{rep['failed']} failed", flush=True)
         except Exception as exc:  # a server that does not start costs only its own figures
-            skipped.append(f"{system}: failed ({type(exc).__name__}: {str(exc)[:300]})")
+            skipped.append(f"{system}: failed" + (f" in round {rnd + 1}" if rounds > 1 else "")
+                           + f" ({type(exc).__name__}: {str(exc)[:300]})")
+    rows = median_rounds(rows)
     for r in rows:
         mine = next((x for x in rows if x["concurrency"] == r["concurrency"] and x["system"].startswith("tokenloom")),
                     None)
@@ -536,7 +549,26 @@ def run_served_peers(args, flags: dict) -> dict:
     return {"mode": "served", "threads": threads, "concurrency": levels,
             "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
                          "output_len": args.output_len, "seed": args.workload_seed},
-            "startup_s": startup, "results": rows, "skipped": skipped}
+            "startup_s": startup, "results": rows, "skipped": skipped, "rounds": rounds}
+
+
+def median_rounds(rows: list[dict]) -> list[dict]:
+    """One row per system and concurrency from the rounds' rows: the median round's (the
+    lower of the two middle ones for an even count, the same rule for every system), with
+    every round's output tok/s in round order under ``rounds_output_tok_s`` and in its note."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["system"], r["concurrency"]), []).append(r)
+    out = []
+    for runs in groups.values():
+        ranked = sorted(runs, key=lambda r: r["output_tok_s"])
+        row = dict(ranked[(len(ranked) - 1) // 2])
+        row["rounds_output_tok_s"] = [r["output_tok_s"] for r in sorted(runs, key=lambda r: r.get("round", 0))]
+        if len(runs) > 1:
+            figures = " / ".join(f"{v:.1f}" for v in row["rounds_output_tok_s"])
+            row["note"] = "; ".join(x for x in (row["note"], f"rounds {figures}, the median shown") if x)
+        out.append(row)
+    return out
 
 
 def format_peers(report: dict) -> str:

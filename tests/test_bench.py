@@ -272,3 +272,36 @@ def test_a_server_that_fails_to_start_is_reported(tmp_path):
     with pytest.raises(RuntimeError, match="exited 3 while starting: no model"):
         with server:
             pass
+
+
+def test_served_rounds_report_the_median_round_of_each_system():
+    """`bench peers --serve --rounds N`: each system's figure at a concurrency is its median
+    round's row (the lower middle for an even count), every round's figure kept in order."""
+    from tokenloom.bench.peers import median_rounds
+
+    def row(system, level, tok_s, rnd, ttft):
+        return {"system": system, "concurrency": level, "output_tok_s": tok_s, "note": "bfloat16", "round": rnd,
+                "ttft_ms": ttft}
+
+    rows = [row("tokenloom serve", 64, 1100.0, 0, 1), row("vLLM", 64, 800.0, 0, 2),
+            row("tokenloom serve", 64, 1000.0, 1, 3), row("vLLM", 64, 780.0, 1, 4),
+            row("tokenloom serve", 64, 1150.0, 2, 5), row("vLLM", 64, 790.0, 2, 6),
+            row("vLLM", 8, 240.0, 0, 7), row("vLLM", 8, 250.0, 1, 8)]
+    got = {(r["system"], r["concurrency"]): r for r in median_rounds(rows)}
+    assert len(got) == 3
+    ours, theirs, low = got[("tokenloom serve", 64)], got[("vLLM", 64)], got[("vLLM", 8)]
+    assert (ours["output_tok_s"], ours["ttft_ms"]) == (1100.0, 1)  # the whole row of the median round
+    assert ours["rounds_output_tok_s"] == [1100.0, 1000.0, 1150.0]
+    assert ours["note"] == "bfloat16; rounds 1100.0 / 1000.0 / 1150.0, the median shown"
+    assert theirs["output_tok_s"] == 790.0 and low["output_tok_s"] == 240.0  # even count: the lower middle
+    single = median_rounds([row("x", 1, 5.0, 0, 9)])
+    assert single[0]["note"] == "bfloat16" and single[0]["rounds_output_tok_s"] == [5.0]
+
+
+def test_rounds_without_serve_are_refused():
+    import argparse
+
+    from tokenloom.bench.peers import run_peers
+
+    with pytest.raises(ValueError, match="--rounds applies to --serve only"):
+        run_peers(argparse.Namespace(serve=False, rounds=3), {}, None)
