@@ -51,6 +51,7 @@ from tokenloom.bench.workload import (
     token_range_for,
 )
 from tokenloom.core.config import merge_layers
+from tokenloom.core.errors import ConfigError
 from tokenloom.core.loader.resolve import resolve_model_path
 from tokenloom.core.plugins import PluginManager
 from tokenloom.planner.serving import CPU_STEP_TOKENS
@@ -194,7 +195,7 @@ def run_transformers(model_path: Path, workload, batch_size: int, dtype: str = "
 # ---- peers in venvs of their own (make peers) ------------------------------------------------
 RUNNERS = Path(__file__).resolve().parent.parent / "scripts" / "peers"
 HF_MODEL = "models/smollm2-135m-hf"
-#: the peers' token budget a step: tokenloom's own CPU default, so that all chunk prompts alike
+#: the peers' token budget a step: tokenloom's own CPU default, so that every engine chunks prompts alike
 VLLM_MAX_BATCHED_TOKENS = CPU_STEP_TOKENS
 
 
@@ -287,7 +288,7 @@ def run_peers(args, flags: dict, pm: PluginManager) -> dict:
     if getattr(args, "serve", False):
         return run_served_peers(args, flags)
     if (getattr(args, "rounds", 1) or 1) != 1:
-        raise ValueError("bench peers: --rounds applies to --serve only (the offline peers run once each)")
+        raise ConfigError("bench peers: --rounds applies to --serve only (the offline peers run once each)")
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     flags = merge_layers(flags, {"num_threads": threads})
@@ -499,7 +500,7 @@ def run_served_peers(args, flags: dict) -> dict:
     root = peers_dir(args)
     rounds = getattr(args, "rounds", 1) or 1
     if rounds < 1:
-        raise ValueError(f"bench peers: --rounds must be at least 1, got {rounds}")
+        raise ConfigError(f"bench peers: --rounds must be at least 1, got {rounds}")
     rows, skipped, startup = [], [], {}
     dtype = "float32"  # a peer given no --dtype runs in the one tokenloom's server reports having chosen
     # every server in turn, `rounds` times over (fresh ports each round), so that a slow spell

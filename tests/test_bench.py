@@ -302,6 +302,7 @@ def test_rounds_without_serve_are_refused():
     import argparse
 
     from tokenloom.bench.peers import run_peers
+    from tokenloom.core.errors import ConfigError
 
-    with pytest.raises(ValueError, match="--rounds applies to --serve only"):
+    with pytest.raises(ConfigError, match="--rounds applies to --serve only"):
         run_peers(argparse.Namespace(serve=False, rounds=3), {}, None)
