@@ -195,8 +195,6 @@ def run_transformers(model_path: Path, workload, batch_size: int, dtype: str = "
 # ---- peers in venvs of their own (make peers) ------------------------------------------------
 RUNNERS = Path(__file__).resolve().parent.parent / "scripts" / "peers"
 HF_MODEL = "models/smollm2-135m-hf"
-#: the peers' token budget a step: tokenloom's own CPU default, so that every engine chunks prompts alike
-VLLM_MAX_BATCHED_TOKENS = CPU_STEP_TOKENS
 
 
 def peers_dir(args) -> Path:
@@ -253,7 +251,7 @@ def _venv_row(system: str, workload: list[BenchRequest], res: dict, note: str) -
 def _job(model: Path, workload: list[BenchRequest], level: int, threads: int, dtype: str) -> dict:
     return {"model": str(model), "workload": [[r.prompt_token_ids, r.max_tokens] for r in workload],
             "concurrency": level, "threads": threads, "dtype": dtype,
-            "max_num_batched_tokens": VLLM_MAX_BATCHED_TOKENS}
+            "max_num_batched_tokens": CPU_STEP_TOKENS}  # (tokenloom's own: every engine chunks alike)
 
 
 def run_vllm_offline(root: Path, workload, level: int, threads: int, dtype: str, bind: str) -> dict | None:
@@ -463,7 +461,7 @@ def served_systems(args, flags: dict, threads: int, max_seqs: int, ctx_per_seq: 
                     "vllm serve", [str(vllm), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
                                    "--served-model-name", "smollm2-135m", "--dtype", dtype,
                                    "--max-num-seqs", str(max_seqs),
-                                   "--max-num-batched-tokens", str(VLLM_MAX_BATCHED_TOKENS),
+                                   "--max-num-batched-tokens", str(CPU_STEP_TOKENS),
                                    "--max-model-len", str(max(2048, ctx_per_seq)), "--no-enable-prefix-caching",
                                    "--seed", "0"],
                     port, logs / f"serve-vllm-{bind}.log",

@@ -190,35 +190,15 @@ inline at::Tensor amx_matmul(at::Tensor x, at::Tensor codes, at::Tensor sm, int6
         if (two) _tile_zero(1);
         if (pair) _tile_zero(2);
         if (pair && two) _tile_zero(3);
-        if (pair && two) {
-          for (int64_t kb = 0; kb < KB; ++kb) {
-            _tile_loadd(4, x0 + kb * 512, 64);
-            _tile_loadd(5, x1 + kb * 512, 64);
-            _tile_loadd(6, w0 + kb * 256, 64);
-            _tile_loadd(7, w1 + kb * 256, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 5, 6);
-            _tile_dpbf16ps(2, 4, 7);
-            _tile_dpbf16ps(3, 5, 7);
-          }
-        } else if (pair) {
-          for (int64_t kb = 0; kb < KB; ++kb) {
-            _tile_loadd(4, x0 + kb * 512, 64);
-            _tile_loadd(6, w0 + kb * 256, 64);
-            _tile_loadd(7, w1 + kb * 256, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(2, 4, 7);
-          }
-        } else {
-          for (int64_t kb = 0; kb < KB; ++kb) {
-            _tile_loadd(4, x0 + kb * 512, 64);
-            _tile_loadd(6, w0 + kb * 256, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            if (two) {
-              _tile_loadd(5, x1 + kb * 512, 64);
-              _tile_dpbf16ps(1, 5, 6);
-            }
-          }
+        for (int64_t kb = 0; kb < KB; ++kb) {  // (the branches are the same every kb)
+          _tile_loadd(4, x0 + kb * 512, 64);
+          _tile_loadd(6, w0 + kb * 256, 64);
+          if (two) _tile_loadd(5, x1 + kb * 512, 64);
+          if (pair) _tile_loadd(7, w1 + kb * 256, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          if (two) _tile_dpbf16ps(1, 5, 6);
+          if (pair) _tile_dpbf16ps(2, 4, 7);
+          if (pair && two) _tile_dpbf16ps(3, 5, 7);
         }
         _tile_stored(0, c[0], 64);
         if (two) _tile_stored(1, c[1], 64);
