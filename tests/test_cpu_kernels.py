@@ -360,12 +360,13 @@ def test_pack_gives_quant_matmul_what_fits_and_torch_the_rest(ops):
 
 
 @pytest.mark.parametrize("bits, out, inp, group", [(4, 48, 64, 32), (4, 32, 128, 64), (8, 48, 96, 32),
-                                                   (8, 16, 64, 64)])
+                                                   (8, 16, 64, 64), (4, 208, 128, 64), (8, 176, 64, 32)])
 def test_amx_matmul_matches_the_dense_bfloat16_matmul(ops, bits, out, inp, group):
     """Where the CPU and the build have AMX-BF16, ``amx_matmul`` over quant_matmul's packed
     weight computes what a dense bfloat16 copy would (weights rounded to bfloat16, float32
-    sums) at any row count, and ``pack`` puts it in the dense copy's place, sharing the
-    codes; elsewhere the op refuses, saying why, and ``pack`` keeps a dense copy."""
+    sums) at any row count (the wider shapes give each thread several pairs of column blocks,
+    the next widened inside the last one's loop, and an odd block at the end), and ``pack``
+    puts it in the dense copy's place, sharing the codes; elsewhere the op refuses, saying why, and ``pack`` keeps a dense copy."""
     from tokenloom.backends.torch_linear import AmxLinear, QuantMatmulLinear, pack, step_linear
 
     qw = _quantized(out, inp, bits, group)
