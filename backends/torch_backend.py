@@ -34,6 +34,8 @@ as a span's context is no window (no mask is built for it).
 
 from __future__ import annotations
 
+import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -336,8 +338,8 @@ class TorchBackend:
             raise ConfigError(f"batch_invariant: kv_cache_dtype = {kv_cache_dtype} is not supported by the mode's "
                               "attention (it reads plain pools of the model dtype)")
         if kv_cache_dtype == "auto":
-            return [(torch.zeros(shape, dtype=dtype, device=self.device),
-                     torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(num_layers)]
+            return [(_pool_zeros(shape, dtype, self.device), _pool_zeros(shape, dtype, self.device))
+                    for _ in range(num_layers)]
         if kv_cache_dtype not in KV_STORAGE:
             from tokenloom.core.errors import ConfigError
 
@@ -345,7 +347,7 @@ class TorchBackend:
         storage, qmax = KV_STORAGE[kv_cache_dtype]
 
         def pool() -> QuantizedKV:
-            return QuantizedKV(torch.zeros(shape, dtype=storage, device=self.device),
+            return QuantizedKV(_pool_zeros(shape, storage, self.device),
                                torch.zeros(shape[:3], dtype=KV_SCALE_DTYPE, device=self.device), dtype, qmax)
 
         return [(pool(), pool()) for _ in range(num_layers)]
@@ -686,6 +688,32 @@ class CppDecodeStep:
         self.steps += 1
         return self.step.run(input_ids, positions, meta.slot_mapping, meta.decode_tables, meta.decode_lens,
                              self.step_rows.floor)
+
+
+_HUGE_PAGE = 2 << 20
+
+
+def _pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV pool; on Linux CPUs in memory asked to be backed by 2 MB pages
+    (``madvise(MADV_HUGEPAGE)`` before the first touch, where transparent huge pages are
+    ``madvise`` or ``always``): the decode attention reads each context's blocks from wherever
+    they lie, a new 4 KB page every block or two, and the page walks cost it about 5% (30
+    layers' pools, 64 contexts of 208 keys, 2 threads, 23.1 -> 22.0 ms). Elsewhere, or where
+    the call fails, plain ``torch.zeros``."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or sys.platform != "linux" or nbytes < 4 * _HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % _HUGE_PAGE
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(raw.data_ptr() + start), ctypes.c_size_t(nbytes // _HUGE_PAGE * _HUGE_PAGE),
+                     14)  # MADV_HUGEPAGE; a failure (no THP) leaves ordinary pages
+    except (OSError, AttributeError):
+        pass
+    return raw[start:start + nbytes].view(dtype).view(shape).zero_()  # (the view keeps raw's storage)
 
 
 def _pools(k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

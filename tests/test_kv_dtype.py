@@ -171,6 +171,24 @@ def test_quantise_round_trip_and_block_copies():
         assert torch.equal(k.gather_slots(torch.tensor([13])).transpose(0, 1), back[3:4])
 
 
+def test_large_pools_are_zeroed_and_start_on_a_huge_page_boundary():
+    """Pools of 8 MB or more are carved from a buffer whose 2 MB-aligned interior is offered to
+    transparent huge pages (backends/torch_backend.py _pool_zeros): still zeroed, of the asked
+    shape and dtype, contiguous, and writable through the cache ops; small pools are plain."""
+    import sys
+
+    shape = (3, 1024, 16, 64)  # 6 MB in bfloat16 (plain), then 12 MB in float32 (carved)
+    (k, v), = TorchBackend().allocate_kv_cache(1, shape[1], shape[2], shape[0], shape[3], torch.bfloat16, "auto")
+    assert k.shape == shape and k.dtype == torch.bfloat16 and not k.any() and not v.any()
+    (k, v), = TorchBackend().allocate_kv_cache(1, shape[1], shape[2], shape[0], shape[3], torch.float32, "auto")
+    assert k.shape == shape and k.dtype == torch.float32 and k.is_contiguous() and not k.any() and not v.any()
+    if sys.platform == "linux":
+        assert k.data_ptr() % (2 << 20) == 0 and v.data_ptr() % (2 << 20) == 0
+    x = torch.randn(2, shape[0], shape[3])
+    TorchBackend().write_kv(k, v, x, -x, torch.tensor([0, shape[1] * shape[2] - 1]))
+    assert torch.equal(k[:, 0, 0], x[0]) and torch.equal(v[:, -1, -1], -x[1])
+
+
 # ---- prefix caching and chunked prefill read quantised blocks ---------------------------------
 def _shared_prefix_prompts(seed=0):
     rng = random.Random(seed)
