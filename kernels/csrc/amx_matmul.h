@@ -74,10 +74,14 @@ static inline void widen4_tile(const uint8_t* codes, const at::Half* sm, int64_t
   const int64_t g = kb * 32 / group;
   const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + g * 32)));
   const __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + g * 32 + 16)));
+  // a code's float by a 16-entry lookup (vpermps reads an index's low 4 bits: no mask for the
+  // low nibble) instead of a conversion: the same values, and off the port the tile unit's
+  // instructions also use (one weight alone, 16 rows, out of cache: 0.198 -> 0.185 ms)
+  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t p = kb * 16; p < kb * 16 + 16; ++p) {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p * 16)));
-    const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), scale, offset);
-    const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), scale, offset);
+    const __m512 lo = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, table), scale, offset);
+    const __m512 hi = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table), scale, offset);
     _mm512_store_si512(out + p * 16, pairs(lo, hi));
   }
 }
@@ -167,6 +171,15 @@ inline at::Tensor amx_matmul(at::Tensor x, at::Tensor codes, at::Tensor sm, int6
         amx::widen8_tile(reinterpret_cast<const int8_t*>(cp) + nb * K * 16, smp + nb * (K / group) * 16, group, kb, w);
       }
     };
+    // tile kb of block nb's codes and its group's scales, asked for a pair ahead of their
+    // widening (one weight alone, 16 rows, out of cache: 0.185 -> 0.167 ms; 64 rows level)
+    auto prefetch = [&](int64_t nb, int64_t kb) {
+      const int64_t code_bytes = bits == 4 ? 256 : 512;  // a tile's: 32 k x 16 columns
+      const char* codes = reinterpret_cast<const char*>(cp) + (nb * KB + kb) * code_bytes;
+      for (int64_t b = 0; b < code_bytes; b += 64) _mm_prefetch(codes + b, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(smp + (nb * (K / group) + kb * 32 / group) * (bits == 4 ? 32 : 16)),
+                   _MM_HINT_T0);
+    };
     // tile t of c: rows r0 + 16 * (t % 2), columns of block nb + t / 2
     auto store = [&](int64_t r0, int64_t nb, int tiles) {
       for (int t = 0; t < tiles; ++t) {
@@ -218,7 +231,10 @@ inline at::Tensor amx_matmul(at::Tensor x, at::Tensor codes, at::Tensor sm, int6
           if (two) _tile_dpbf16ps(1, 5, 6);
           if (pair) _tile_dpbf16ps(2, 4, 7);
           if (pair && two) _tile_dpbf16ps(3, 5, 7);
-          for (int64_t b = wfirst; b < wlast; ++b) widen(nb + 2 + b, kb, next + b * WB);
+          for (int64_t b = wfirst; b < wlast; ++b) {
+            widen(nb + 2 + b, kb, next + b * WB);
+            if (nb + 4 + b < NB) prefetch(nb + 4 + b, kb);
+          }
         }
         _tile_stored(0, c[0], 64);
         if (two) _tile_stored(1, c[1], 64);
