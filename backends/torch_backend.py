@@ -34,6 +34,8 @@ as a span's context is no window (no mask is built for it).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 import sys
 from dataclasses import dataclass
@@ -706,20 +708,26 @@ def _pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     they lie, a new 4 KB page every block or two, and the page walks cost it about 5% (30
     layers' pools, 64 contexts of 208 keys, 2 threads, 23.1 -> 22.0 ms). Elsewhere, or where
     the call fails, plain ``torch.zeros``."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if device.type != "cpu" or sys.platform != "linux" or nbytes < 4 * _HUGE_PAGE:
+    nbytes = math.prod(shape) * dtype.itemsize
+    madvise = _madvise() if device.type == "cpu" and nbytes >= 4 * _HUGE_PAGE else None
+    if madvise is None:
         return torch.zeros(shape, dtype=dtype, device=device)
     raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % _HUGE_PAGE
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(raw.data_ptr() + start), ctypes.c_size_t(nbytes // _HUGE_PAGE * _HUGE_PAGE),
-                     14)  # MADV_HUGEPAGE; a failure (no THP) leaves ordinary pages
-    except (OSError, AttributeError):
-        pass
+    # MADV_HUGEPAGE (14); a failure (no THP) leaves ordinary pages
+    madvise(ctypes.c_void_p(raw.data_ptr() + start), ctypes.c_size_t(nbytes // _HUGE_PAGE * _HUGE_PAGE), 14)
     return raw[start:start + nbytes].view(dtype).view(shape).zero_()  # (the view keeps raw's storage)
+
+
+@functools.cache
+def _madvise():
+    """libc's ``madvise`` on Linux, else None (looked up once)."""
+    if sys.platform != "linux":
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
 
 
 def _pools(k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

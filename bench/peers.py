@@ -285,7 +285,7 @@ def openvino_formats(args) -> list[str]:
 def run_peers(args, flags: dict, pm: PluginManager) -> dict:
     if getattr(args, "serve", False):
         return run_served_peers(args, flags)
-    if (getattr(args, "rounds", 1) or 1) != 1:
+    if served_rounds(args) != 1:
         raise ConfigError("bench peers: --rounds applies to --serve only (the offline peers run once each)")
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -496,9 +496,7 @@ def run_served_peers(args, flags: dict) -> dict:
                              seed=args.workload_seed, token_range=token_range_for(_vocab_size(model_path)))
     ctx_per_seq = max(len(r.prompt_token_ids) + r.max_tokens for r in workload) + 16
     root = peers_dir(args)
-    rounds = getattr(args, "rounds", 1) or 1
-    if rounds < 1:
-        raise ConfigError(f"bench peers: --rounds must be at least 1, got {rounds}")
+    rounds = served_rounds(args)
     rows, skipped, startup = [], [], {}
     dtype = "float32"  # a peer given no --dtype runs in the one tokenloom's server reports having chosen
     # every server in turn, `rounds` times over (fresh ports each round), so that a slow spell
@@ -549,6 +547,15 @@ def run_served_peers(args, flags: dict) -> dict:
             "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
                          "output_len": args.output_len, "seed": args.workload_seed},
             "startup_s": startup, "results": rows, "skipped": skipped, "rounds": rounds}
+
+
+def served_rounds(args) -> int:
+    """``--rounds`` (1 where the namespace has none), refused below 1 with a ConfigError."""
+    rounds = getattr(args, "rounds", None)
+    rounds = 1 if rounds is None else rounds
+    if rounds < 1:
+        raise ConfigError(f"bench peers: --rounds must be at least 1, got {rounds}")
+    return rounds
 
 
 def median_rounds(rows: list[dict]) -> list[dict]:

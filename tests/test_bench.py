@@ -306,3 +306,15 @@ def test_rounds_without_serve_are_refused():
 
     with pytest.raises(ConfigError, match="--rounds applies to --serve only"):
         run_peers(argparse.Namespace(serve=False, rounds=3), {}, None)
+
+
+def test_rounds_below_one_are_refused():
+    import argparse
+
+    from tokenloom.bench.peers import served_rounds
+    from tokenloom.core.errors import ConfigError
+
+    assert served_rounds(argparse.Namespace()) == 1 and served_rounds(argparse.Namespace(rounds=3)) == 3
+    for bad in (0, -2):
+        with pytest.raises(ConfigError, match=f"--rounds must be at least 1, got {bad}"):
+            served_rounds(argparse.Namespace(serve=True, rounds=bad))
